@@ -1,0 +1,446 @@
+"""ggml's block formats in numpy: dequantize, reference quantize, and the CPU matmul precision.
+
+Layouts follow ggml-common.h, arithmetic follows ggml-quants.c (reference code, compiled without
+FMA contraction), and the activation conversion follows ggml-cpu/arch/x86/quants.c (AVX2 path).
+A quantized row of n values is stored as uint8 bytes [n // block_size * type_size].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from llamir.ir.dtypes import (
+    BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_1, Q8_K, DType,
+)
+
+QK_K = 256
+_F32 = np.float32
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def quant_shape(byte_shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
+    """Logical shape [..., n] of a tensor stored as bytes [..., row_bytes]."""
+    *lead, nbytes = byte_shape
+    if nbytes % dtype.type_size:
+        raise ValueError(f"{nbytes} bytes per row is not a whole number of {dtype} blocks "
+                         f"of {dtype.type_size} bytes")
+    return (*lead, nbytes // dtype.type_size * dtype.block_size)
+
+
+def byte_shape(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
+    """Byte shape [..., row_bytes] of a tensor of logical shape [..., n]."""
+    *lead, n = shape
+    return (*lead, dtype.row_bytes(n))
+
+
+def fp32_to_fp16_bits(x: np.ndarray) -> np.ndarray:
+    """uint16 bits of ggml's GGML_FP32_TO_FP16: round-to-nearest-even, any NaN -> sign|0x7E00."""
+    x = np.asarray(x, dtype=_F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bits = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # numpy keeps part of the payload, ggml emits the canonical quiet NaN
+        sign = (x.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
+        bits = np.where(nan, sign | np.uint16(0x7E00), bits)
+    return bits
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """uint16 bits of ggml's GGML_FP32_TO_BF16: round-to-nearest-even, NaN forced quiet."""
+    u = np.ascontiguousarray(x, dtype=_F32).view(np.uint32).astype(np.uint64)
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    quiet_nan = (u >> 16) | 64
+    return np.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded).astype(np.uint16)
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 field at byte `offset` of each block, as float32 [nb, 1]."""
+    return np.ascontiguousarray(blocks[:, offset:offset + 2]).view(np.float16).astype(_F32)
+
+
+def _u32(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The little-endian uint32 field at byte `offset` of each block, [nb, 1]."""
+    return np.ascontiguousarray(blocks[:, offset:offset + 4]).view("<u4")
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    """[nb, 1] float32 -> [nb, 2] bytes of the fp16 value, as ggml stores a ggml_half."""
+    return fp32_to_fp16_bits(x).reshape(-1, 1).view(np.uint8)
+
+
+def _halves(qs: np.ndarray) -> np.ndarray:
+    """Nibbles [nb, 16] -> [nb, 32]: element j is the low nibble of qs[j], j+16 the high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """Bit j of the uint32 qh [nb, 1], for j < n, as uint8 [nb, n]."""
+    return ((qh >> np.arange(n, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _as_bytes(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """View raw storage as uint8 bytes; float types may also come as their numpy element type."""
+    raw = np.asarray(raw)
+    if raw.dtype == np.uint8:
+        return raw
+    storage = {F32.name: np.float32, F16.name: np.float16, BF16.name: np.uint16}.get(dtype.name)
+    if storage is None or raw.dtype != storage:
+        raise TypeError(f"{dtype} data must be uint8 bytes"
+                        + (f" or {np.dtype(storage).name}" if storage else "") + f", got {raw.dtype}")
+    raw = np.ascontiguousarray(raw)
+    return raw.view(np.uint8).reshape(*raw.shape[:-1], raw.shape[-1] * raw.itemsize)
+
+
+# ------------------------------------------------------------------------------ dequantize
+# Each takes blocks [nb, type_size] uint8 and returns [nb, block_size] float32, computed with the
+# same float32 operations in the same order as ggml's dequantize_row_*.
+
+
+def _deq_q4_0(b: np.ndarray) -> np.ndarray:
+    q = _halves(b[:, 2:18]).astype(np.int8) - 8
+    return q.astype(_F32) * _f16(b, 0)
+
+
+def _deq_q4_1(b: np.ndarray) -> np.ndarray:
+    return _halves(b[:, 4:20]).astype(_F32) * _f16(b, 0) + _f16(b, 2)
+
+
+def _deq_q5_0(b: np.ndarray) -> np.ndarray:
+    q = (_halves(b[:, 6:22]) | (_high_bits(_u32(b, 2), 32) << 4)).astype(np.int8) - 16
+    return q.astype(_F32) * _f16(b, 0)
+
+
+def _deq_q5_1(b: np.ndarray) -> np.ndarray:
+    q = _halves(b[:, 8:24]) | (_high_bits(_u32(b, 4), 32) << 4)
+    return q.astype(_F32) * _f16(b, 0) + _f16(b, 2)
+
+
+def _deq_q8_0(b: np.ndarray) -> np.ndarray:
+    return b[:, 2:34].view(np.int8).astype(_F32) * _f16(b, 0)
+
+
+def _deq_q8_1(b: np.ndarray) -> np.ndarray:
+    # ggml has no dequantize_row_q8_1; this is d*q, what vec_dot sees (s = d*sum(q) is derived)
+    return b[:, 4:36].view(np.int8).astype(_F32) * _f16(b, 0)
+
+
+def _deq_q8_k(b: np.ndarray) -> np.ndarray:
+    d = np.ascontiguousarray(b[:, 0:4]).view("<f4")
+    return d * b[:, 4:260].view(np.int8).astype(_F32)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """2-bit fields of qs [nb, 64] in K-quant order -> [nb, 16, 16] (sub-block, element)."""
+    shifts = np.arange(0, 8, 2, dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = (qs.reshape(-1, 2, 1, 32) >> shifts) & 3  # [nb, half n, shift j, 32]
+    return q.reshape(-1, 16, 16)
+
+
+def _deq_q2_k(b: np.ndarray) -> np.ndarray:
+    sc = b[:, 0:16, None]
+    dl = _f16(b, 80)[:, :, None] * (sc & 0xF).astype(_F32)
+    ml = _f16(b, 82)[:, :, None] * (sc >> 4).astype(_F32)
+    return (dl * _crumbs(b[:, 16:80]).astype(_F32) - ml).reshape(-1, QK_K)
+
+
+def _q3_k_scales(raw12: np.ndarray) -> np.ndarray:
+    """The 16 6-bit scales of a Q3_K block, unpacked as dequantize_row_q3_K does, as int [nb, 16]."""
+    aux = np.ascontiguousarray(raw12).view("<u4")  # [nb, 3]
+    a0, a1, tmp = aux[:, 0], aux[:, 1], aux[:, 2]
+    lo, hi = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+    words = np.stack([(a0 & lo) | (((tmp >> 0) & hi) << 4), (a1 & lo) | (((tmp >> 2) & hi) << 4),
+                      ((a0 >> 4) & lo) | (((tmp >> 4) & hi) << 4),
+                      ((a1 >> 4) & lo) | (((tmp >> 6) & hi) << 4)], axis=-1).astype("<u4")
+    return words.view(np.int8).astype(np.int32)
+
+
+def _deq_q3_k(b: np.ndarray) -> np.ndarray:
+    dl = _f16(b, 108)[:, :, None] * (_q3_k_scales(b[:, 96:108]) - 32)[:, :, None].astype(_F32)
+    # high bit of element l' of group (n, j) is bit 4n+j of hmask[l']; a clear bit subtracts 4
+    bits = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    hm = ((b[:, None, 0:32] >> bits) & 1).reshape(-1, 16, 16).astype(np.int8)
+    q = _crumbs(b[:, 32:96]).astype(np.int8) - 4 * (1 - hm)
+    return (dl * q.astype(_F32)).reshape(-1, QK_K)
+
+
+def k4_scales_mins(raw12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's get_scale_min_k4 for all 8 sub-blocks: 12 packed bytes [nb, 12] -> (sc, m) uint8 [nb, 8]."""
+    s = raw12
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=-1)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _k4_affine(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sub-block d*sc and dmin*m of a Q4_K/Q5_K block, float32 [nb, 8, 1]."""
+    sc, m = k4_scales_mins(b[:, 4:16])
+    return (_f16(b, 0) * sc.astype(_F32))[:, :, None], (_f16(b, 2) * m.astype(_F32))[:, :, None]
+
+
+def _nibble_pairs(qs: np.ndarray) -> np.ndarray:
+    """qs [nb, 128] -> [nb, 8, 32]: chunk c's low nibbles are sub-block 2c, high nibbles 2c+1."""
+    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(-1, 8, 32)
+
+
+def _deq_q4_k(b: np.ndarray) -> np.ndarray:
+    d1, m1 = _k4_affine(b)
+    return (d1 * _nibble_pairs(b[:, 16:144]).astype(_F32) - m1).reshape(-1, QK_K)
+
+
+def _deq_q5_k(b: np.ndarray) -> np.ndarray:
+    d1, m1 = _k4_affine(b)
+    high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1  # bit sb
+    q = _nibble_pairs(b[:, 48:176]) + 16 * high
+    return (d1 * q.astype(_F32) - m1).reshape(-1, QK_K)
+
+
+def _deq_q6_k(b: np.ndarray) -> np.ndarray:
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)  # [nb, half, ql+0 / ql+32, l]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # k = 0..3 of y[l + 32k]
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = ((low | (qh << 4)).astype(np.int8) - 32).reshape(-1, 16, 16)
+    scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(_F32)  # d * sc[is], then * q
+    return (scale[:, :, None] * q.astype(_F32)).reshape(-1, QK_K)
+
+
+_DEQUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    Q4_0.name: _deq_q4_0, Q4_1.name: _deq_q4_1, Q5_0.name: _deq_q5_0, Q5_1.name: _deq_q5_1,
+    Q8_0.name: _deq_q8_0, Q8_1.name: _deq_q8_1, Q8_K.name: _deq_q8_k, Q2_K.name: _deq_q2_k,
+    Q3_K.name: _deq_q3_k, Q4_K.name: _deq_q4_k, Q5_K.name: _deq_q5_k, Q6_K.name: _deq_q6_k,
+}
+
+
+def dequantize(raw: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 [..., n] from bytes [..., row_bytes], equal bit for bit to ggml's dequantize_row_*.
+
+    F32/F16/BF16 also accept their element arrays (float32, float16, uint16 bf16 bits)."""
+    data = _as_bytes(raw, dtype)
+    out_shape = quant_shape(data.shape, dtype)
+    if dtype == F32:
+        return np.ascontiguousarray(data).view("<f4").reshape(out_shape)
+    if dtype == F16:
+        return np.ascontiguousarray(data).view("<f2").astype(_F32).reshape(out_shape)
+    if dtype == BF16:
+        bits = np.ascontiguousarray(data).view("<u2").astype(np.uint32) << 16
+        return bits.view(_F32).reshape(out_shape)
+    fn = _DEQUANT.get(dtype.name)
+    if fn is None:
+        raise NotImplementedError(f"dequantize does not support {dtype}")
+    return fn(data.reshape(-1, dtype.type_size)).reshape(out_shape)
+
+
+# --------------------------------------------------------------------------------- quantize
+# Each takes float32 blocks [nb, block_size] and returns [nb, type_size] uint8, as
+# ggml's quantize_row_*_ref (float32 arithmetic, C's truncating float->int casts).
+
+
+def _roundf(v: np.ndarray) -> np.ndarray:
+    """C roundf (half away from zero); float64 keeps |v| + 0.5 exact for float32 v."""
+    v = v.astype(np.float64)
+    return np.copysign(np.floor(np.abs(v) + 0.5), v)
+
+
+def _signed_absmax(x: np.ndarray) -> np.ndarray:
+    """The first element of largest magnitude, sign kept, [nb, 1] (ggml's `amax < fabsf(v)` scan)."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1, keepdims=True), axis=-1)
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """ggml's `id = d ? 1.0f/d : 0.0f`."""
+    with np.errstate(divide="ignore"):
+        return np.where(d != 0, _F32(1) / d, _F32(0)).astype(_F32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """[nb, 32] values -> [nb, 16] bytes: low nibble from element j, high from element j+16."""
+    return ((q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)).astype(np.uint8)
+
+
+def _pack_high_bits(q: np.ndarray) -> np.ndarray:
+    """Bit 4 of each of the 32 values -> the 4 little-endian qh bytes [nb, 4]."""
+    return np.packbits(((q >> 4) & 1).astype(np.uint8), axis=-1, bitorder="little")
+
+
+def _q_sym(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0/Q5_0: d = max/-nmax, q = min(2*nmax-1, (int8)(x*id + nmax + 0.5))."""
+    d = _signed_absmax(x) / _F32(-nmax)
+    q = np.trunc(x * _inverse(d) + _F32(nmax + 0.5)).astype(np.int32)
+    return d, np.minimum(2 * nmax - 1, q)
+
+
+def _q_affine(x: np.ndarray, levels: int, clamp: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1/Q5_1: d = (max-min)/levels, q = (int)((x-min)*id + 0.5), clamped for Q4_1 only."""
+    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+    d = (hi - lo) / _F32(levels)
+    q = np.trunc((x - lo) * _inverse(d) + _F32(0.5)).astype(np.int32)
+    return d, lo, np.minimum(levels, q) if clamp else q
+
+
+def _q_q4_0(x: np.ndarray) -> np.ndarray:
+    d, q = _q_sym(x, 8)
+    return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=-1)
+
+
+def _q_q5_0(x: np.ndarray) -> np.ndarray:
+    d, q = _q_sym(x, 16)
+    return np.concatenate([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=-1)
+
+
+def _q_q4_1(x: np.ndarray) -> np.ndarray:
+    d, lo, q = _q_affine(x, 15, clamp=True)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=-1)
+
+
+def _q_q5_1(x: np.ndarray) -> np.ndarray:
+    d, lo, q = _q_affine(x, 31, clamp=False)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=-1)
+
+
+def _q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_row_q8_{0,1}_ref: d = amax/127, q = roundf(x * (1/d))."""
+    d = np.abs(x).max(axis=-1, keepdims=True) / _F32(127)
+    return d, _roundf(x * _inverse(d)).astype(np.int8)
+
+
+def _q8_x86(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml-cpu's AVX quantize_row_q8_{0,1}: id = 127/amax (not 1/d), round half to even."""
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, _F32(127) / amax, _F32(0)).astype(_F32)
+    q = np.clip(np.rint(x * inv), -128, 127).astype(np.int8)  # packs saturate
+    return amax / _F32(127), q
+
+
+def _q8_0_bytes(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=-1)
+
+
+def _q8_1_bytes(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+    s = q.astype(np.int32).sum(axis=-1, keepdims=True).astype(_F32) * d  # fp16(float(sum) * d)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(s), q.view(np.uint8)], axis=-1)
+
+
+def _q_q8_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q8_K_ref: iscale = -127/max (signed), nearest_int (half to even), d = 1/iscale."""
+    mx = _signed_absmax(x)
+    zero = mx == 0
+    with np.errstate(divide="ignore"):
+        iscale = np.where(zero, _F32(0), _F32(-127) / np.where(zero, _F32(1), mx)).astype(_F32)
+        d = np.where(zero, _F32(0), _F32(1) / np.where(zero, _F32(1), iscale)).astype(_F32)
+    q = np.minimum(127, np.rint(iscale * x)).astype(np.int8)
+    bsums = q.reshape(-1, 16, 16).astype(np.int16).sum(axis=-1, dtype=np.int16)
+    return np.concatenate([d.astype("<f4").view(np.uint8), q.view(np.uint8),
+                           bsums.astype("<i2").view(np.uint8)], axis=-1)
+
+
+_QUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    Q4_0.name: _q_q4_0, Q4_1.name: _q_q4_1, Q5_0.name: _q_q5_0, Q5_1.name: _q_q5_1,
+    Q8_0.name: lambda x: _q8_0_bytes(*_q8_ref(x)), Q8_1.name: lambda x: _q8_1_bytes(*_q8_ref(x)),
+    Q8_K.name: _q_q8_k,
+}
+
+# ggml-cpu's type_traits_cpu[...].from_float on x86 with AVX: only q8_0/q8_1 differ from the ref.
+_FROM_FLOAT_CPU: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    **_QUANT,
+    Q8_0.name: lambda x: _q8_0_bytes(*_q8_x86(x)), Q8_1.name: lambda x: _q8_1_bytes(*_q8_x86(x)),
+}
+
+
+def _encode(x: np.ndarray, dtype: DType, table: dict[str, Callable[[np.ndarray], np.ndarray]],
+            what: str) -> np.ndarray:
+    x = np.asarray(x, dtype=_F32)
+    shape = byte_shape(x.shape, dtype)
+    if dtype == F32:
+        return np.ascontiguousarray(x).view(np.uint8).reshape(shape)
+    if dtype == F16:
+        return fp32_to_fp16_bits(x).view(np.uint8).reshape(shape)
+    if dtype == BF16:
+        return fp32_to_bf16_bits(x).view(np.uint8).reshape(shape)
+    fn = table.get(dtype.name)
+    if fn is None:
+        raise NotImplementedError(f"{what} does not support {dtype}")
+    return fn(x.reshape(-1, dtype.block_size)).reshape(shape)
+
+
+def quantize(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """uint8 bytes [..., row_bytes] of float32 x [..., n], equal bit for bit to ggml's quantize_row_*_ref.
+
+    Supports F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q8_K."""
+    return _encode(x, dtype, _QUANT, "quantize")
+
+
+def cpu_from_float(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """uint8 bytes of x as ggml-cpu's from_float for `dtype` on x86 AVX2 converts matmul activations.
+
+    Differs from quantize() for Q8_0/Q8_1: id = 127/amax and round half to even."""
+    return _encode(x, dtype, _FROM_FLOAT_CPU, "cpu_from_float")
+
+
+# ----------------------------------------------------------------------------- CPU mul_mat
+
+_VEC_DOT_TYPE: dict[str, DType] = {
+    F32.name: F32, F16.name: F16, BF16.name: BF16,
+    Q4_0.name: Q8_0, Q5_0.name: Q8_0, Q8_0.name: Q8_0, Q4_1.name: Q8_1, Q5_1.name: Q8_1,
+    Q8_1.name: Q8_1, Q2_K.name: Q8_K, Q3_K.name: Q8_K, Q4_K.name: Q8_K, Q5_K.name: Q8_K,
+    Q6_K.name: Q8_K,
+}
+
+
+def vec_dot_type(dtype: DType) -> DType:
+    """The type ggml-cpu converts a mul_mat's activations to for a weight of `dtype`."""
+    try:
+        return _VEC_DOT_TYPE[dtype.name]
+    except KeyError:
+        raise NotImplementedError(f"no CPU vec_dot_type known for weight type {dtype}") from None
+
+
+def activation_roundtrip(b: np.ndarray, dtype: DType) -> np.ndarray:
+    """b float32 [..., K] as the dot product with a `dtype` weight sees it, back in float32."""
+    vdt = vec_dot_type(dtype)
+    return dequantize(cpu_from_float(b, vdt), vdt)
+
+
+def split_scale_min(a_raw: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1/Q5_1 weight [M, row_bytes] -> (d*q float32 [M, K], per-block min m float32 [M, K/32])."""
+    if dtype not in (Q4_1, Q5_1):
+        raise NotImplementedError(f"split_scale_min is for Q4_1/Q5_1, got {dtype}")
+    data = _as_bytes(a_raw, dtype)
+    blocks = data.reshape(-1, dtype.type_size)
+    q = _halves(blocks[:, 4:20]) if dtype == Q4_1 else (
+        _halves(blocks[:, 8:24]) | (_high_bits(_u32(blocks, 4), 32) << 4))
+    scaled = q.astype(_F32) * _f16(blocks, 0)
+    k_shape = quant_shape(data.shape, dtype)
+    return scaled.reshape(k_shape), _f16(blocks, 2).reshape(*k_shape[:-1], -1)
+
+
+def prepare_weight(a_raw: np.ndarray, a_dtype: DType) -> tuple[np.ndarray, np.ndarray | None]:
+    """The cacheable float32 pieces of a weight for mul_mat_prepared: (dequantized or d*q, mins or None)."""
+    if a_dtype in (Q4_1, Q5_1):
+        return split_scale_min(a_raw, a_dtype)
+    return dequantize(a_raw, a_dtype), None
+
+
+def mul_mat_prepared(weight: np.ndarray, mins: np.ndarray | None, a_dtype: DType,
+                     b: np.ndarray) -> np.ndarray:
+    """mul_mat_ggml from prepare_weight's pieces: float32 [N, M], matmul done in float32."""
+    b = np.asarray(b, dtype=_F32)
+    vdt = vec_dot_type(a_dtype)
+    packed = cpu_from_float(b, vdt)
+    out = dequantize(packed, vdt) @ weight.T
+    if mins is not None:
+        # vec_dot_q4_1_q8_1 adds m_a * s_b per block, with s_b = fp16(d_b * sum(q_b)) as stored
+        s_b = _f16(packed.reshape(-1, Q8_1.type_size), 2).reshape(*b.shape[:-1], -1)
+        out += s_b @ mins.T
+    return out
+
+
+def mul_mat_ggml(a_raw: np.ndarray, a_dtype: DType, b: np.ndarray) -> np.ndarray:
+    """b @ a.T (float32 [N, M]) at ggml-cpu's precision: b goes through vec_dot_type(a_dtype).
+
+    a [M, K] is bytes [M, row_bytes], or float32 / float16 / uint16 (bf16 bits) for F32/F16/BF16."""
+    weight, mins = prepare_weight(a_raw, a_dtype)
+    return mul_mat_prepared(weight, mins, a_dtype, b)
