@@ -1,0 +1,341 @@
+"""Random-weight GGUF models that llama.cpp loads and runs: small, deterministic test subjects.
+
+`write_model(path, SynthSpec(...))` writes a llama / qwen2 / qwen3 model with every hparam key
+llama.cpp needs, a real byte-level BPE tokenizer (trained on a small embedded English text) and a
+ChatML template. The same spec always gives a byte-identical file.
+
+Weights are scaled so the model behaves numerically like a trained one: the residual stream stays
+O(1), attention scores have a std of about 2 (so softmax is neither uniform nor one-hot), and the
+logits spread over several units, so that comparisons against llama.cpp are meaningful.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import gguf
+import numpy as np
+import regex
+
+from llamir.ir.dtypes import dtype_named
+
+ARCHS = ("llama", "qwen2", "qwen3")
+MATRIX_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+# general.file_type describes the bulk of the 2-D matrices (llama.cpp's llama_ftype).
+_FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+}
+
+# Same layout as SmolLM2: specials first, bos = <|im_start|>, eos = <|im_end|>.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID = 1, 2
+TOKENIZER_PRE = "smollm"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Attention logits scale with these gains squared; ~1.5 each gives scores with std ~2.
+QK_GAIN = 1.5
+
+# The BPE merges are learnt from this text. Changing it changes every synthetic vocabulary.
+_CORPUS = """\
+The capital of France is Paris, and the capital of Italy is Rome. Every morning the baker opens
+the small shop on the corner of the street, and the smell of fresh bread fills the air. People
+walk to work, children run to school, and the old man at the window reads his newspaper while
+the cat sleeps in the sun. In the afternoon the weather changes: clouds come in from the sea,
+the wind turns cold, and a light rain starts to fall on the roofs of the town.
+A computer program is a list of instructions that a machine can follow. The compiler reads the
+source code, checks that it is correct, and turns it into something the processor understands.
+Good programs are simple and clear; they say what they mean, and they do one thing well. When a
+test fails, the engineer reads the error message, finds the line that was wrong, and fixes it.
+Numbers such as 1, 2, 3, 10, 42, 100 and 2024 appear in many texts; so do dates like 12 May and
+prices like $9.99 or 15%. Questions end with a question mark? Exclamations end with a mark too!
+The river flows through the valley and into the lake. In summer the water is warm and people
+swim there; in winter it freezes and the children skate on the ice. The mountains around the
+valley are covered with snow for most of the year, and the forests on their sides are home to
+deer, foxes, birds and many other animals. Farmers grow wheat, corn and potatoes in the fields.
+She said that she would come back tomorrow, but he did not believe her. They had been friends
+for a long time, and they knew each other very well. We're sure it's going to be fine; you'll
+see that they've done their best, and I'd say that's all anyone can ask. Hello, world!
+Language models predict the next token from the tokens before it. A model with more layers and
+more parameters can learn more patterns, but it also needs more memory and more time to run.
+Attention lets each position look at the earlier positions and decide which ones matter most.
+The history of science is full of surprising ideas: the earth moves around the sun, light is
+both a wave and a particle, and time runs slower near a heavy star. Each idea was first met
+with doubt, then tested, and finally accepted when the evidence became strong enough.
+"""
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """The shape, types and seed of a synthetic model."""
+
+    arch: str = "llama"        # "llama" | "qwen2" (q/k/v biases) | "qwen3" (per-head q/k norms, no bias)
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    n_vocab: int = 512
+    n_ctx_train: int = 2048
+    head_dim: int | None = None   # None = n_embd // n_head; llama and qwen3 may differ
+    dtype: str = "f32"            # type of the 2-D matrices, one of MATRIX_DTYPES
+    embd_dtype: str | None = None  # token_embd type; None = dtype
+    tied: bool = False            # True: no output.weight (llama.cpp reuses token_embd)
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    seed: int = 0
+    sliding_window: int | None = None  # reserved (gemma-style SWA)
+
+    @property
+    def n_embd_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+
+def write_model(path: str | Path, spec: SynthSpec) -> Path:
+    """Write the model described by `spec` to `path` (atomically) and return the path."""
+    _check_spec(spec)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp_name, spec.arch)
+        _add_hparams(writer, spec)
+        _add_tokenizer(writer, spec.n_vocab)
+        for name, array, raw_dtype in _tensors(spec):
+            writer.add_tensor(name, array, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp_name, path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return path
+
+
+def _check_spec(spec: SynthSpec) -> None:
+    if spec.sliding_window is not None:
+        raise NotImplementedError(f"sliding_window={spec.sliding_window}: synthetic SWA models are not "
+                                  "written yet")
+    if spec.arch not in ARCHS:
+        raise ValueError(f"arch {spec.arch!r} is not one of {ARCHS}")
+    for field, value in (("dtype", spec.dtype), ("embd_dtype", spec.embd_dtype or spec.dtype)):
+        if value not in MATRIX_DTYPES:
+            raise ValueError(f"{field}={value!r} is not one of {MATRIX_DTYPES}")
+    if spec.n_head % spec.n_head_kv:
+        raise ValueError(f"n_head={spec.n_head} is not a multiple of n_head_kv={spec.n_head_kv}")
+    if spec.head_dim is None and spec.n_embd % spec.n_head:
+        raise ValueError(f"n_embd={spec.n_embd} is not a multiple of n_head={spec.n_head}; give head_dim")
+    if spec.n_embd_head % 2:
+        raise ValueError(f"head_dim={spec.n_embd_head} must be even for RoPE")
+    if spec.arch == "qwen2" and spec.n_embd_head * spec.n_head != spec.n_embd:
+        # llama.cpp's qwen2 loader shapes attn_q/attn_output as {n_embd, n_embd}
+        raise ValueError(f"qwen2 needs head_dim * n_head == n_embd, got {spec.n_embd_head}*{spec.n_head}")
+    if spec.n_vocab < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"n_vocab={spec.n_vocab} is below the {256 + len(SPECIAL_TOKENS)} "
+                         "byte + special tokens")
+    for field, dtype, n in (
+        ("dtype", spec.dtype, spec.n_embd), ("dtype", spec.dtype, spec.n_ff),
+        ("dtype", spec.dtype, spec.n_head * spec.n_embd_head),
+        ("embd_dtype", spec.embd_dtype or spec.dtype, spec.n_embd),
+    ):
+        block = dtype_named(dtype).block_size
+        if n % block:
+            raise ValueError(f"{field}={dtype} needs rows that are multiples of {block}, got a row of {n}")
+
+
+def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
+    w.add_name(f"synth-{spec.arch}-{spec.dtype}")
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_rope_dimension_count(spec.n_embd_head)
+    if spec.n_embd_head * spec.n_head != spec.n_embd:
+        w.add_key_length(spec.n_embd_head)
+        w.add_value_length(spec.n_embd_head)
+    w.add_vocab_size(spec.n_vocab)
+    w.add_file_type(_FILE_TYPES[spec.dtype])
+    if dtype_named(spec.dtype).is_quantized or dtype_named(spec.embd_dtype or spec.dtype).is_quantized:
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, n_vocab: int) -> None:
+    tokens, types, merges = build_vocab(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(TOKENIZER_PRE)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+@lru_cache(maxsize=8)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from each byte to a printable unicode character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+@lru_cache(maxsize=8)
+def build_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of an `n_vocab`-token byte-level BPE vocabulary.
+
+    Layout: the special tokens, the 256 byte tokens, then one token per learnt merge; if the
+    embedded corpus runs out of pairs, the rest is filled with UNUSED placeholder tokens.
+    """
+    byte_chars = bytes_to_unicode()
+    tokens = list(SPECIAL_TOKENS) + [byte_chars[b] for b in range(256)]
+    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * 256
+    merges, new_tokens = _learn_merges(n_vocab - len(tokens))
+    tokens += new_tokens
+    types += [gguf.TokenType.NORMAL] * len(new_tokens)
+    n_unused = n_vocab - len(tokens)
+    tokens += [f"<|unused_{i}|>" for i in range(n_unused)]
+    types += [gguf.TokenType.UNUSED] * n_unused
+    return tokens, [int(t) for t in types], merges
+
+
+# smollm's pre-tokenizer: digits stand alone (its first regex), then GPT-2's split (its second).
+_PRE_TOKENIZER = regex.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+
+
+def _learn_merges(n_new: int) -> tuple[list[str], list[str]]:
+    """Greedy BPE on the corpus: the most frequent pair first, ties broken by the pair itself."""
+    byte_chars = bytes_to_unicode()
+    word_counts: dict[tuple[str, ...], int] = {}
+    for word in _PRE_TOKENIZER.findall(_CORPUS):
+        symbols = tuple(byte_chars[b] for b in word.encode("utf-8"))
+        word_counts[symbols] = word_counts.get(symbols, 0) + 1
+    known = set(byte_chars.values())
+    merges: list[str] = []
+    new_tokens: list[str] = []
+    while len(new_tokens) < n_new:
+        pair_counts: dict[tuple[str, str], int] = {}
+        for symbols, count in word_counts.items():
+            for pair in zip(symbols, symbols[1:], strict=False):
+                pair_counts[pair] = pair_counts.get(pair, 0) + count
+        if not pair_counts:
+            break
+        best = min(pair_counts, key=lambda p: (-pair_counts[p], p))
+        merges.append(f"{best[0]} {best[1]}")
+        merged = best[0] + best[1]
+        # two different pairs can spell the same token; the merge still applies, the token exists once
+        if merged not in known:
+            known.add(merged)
+            new_tokens.append(merged)
+        word_counts = _apply_merge(word_counts, best, merged)
+    return merges, new_tokens
+
+
+def _apply_merge(word_counts: dict[tuple[str, ...], int], pair: tuple[str, str], merged: str,
+                 ) -> dict[tuple[str, ...], int]:
+    out: dict[tuple[str, ...], int] = {}
+    for symbols, count in word_counts.items():
+        result: list[str] = []
+        i = 0
+        while i < len(symbols):
+            if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == pair:
+                result.append(merged)
+                i += 2
+            else:
+                result.append(symbols[i])
+                i += 1
+        key = tuple(result)
+        out[key] = out.get(key, 0) + count
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def _tensors(spec: SynthSpec):
+    """(name, array, raw ggml type or None) for every tensor, in a fixed order."""
+    rng = np.random.default_rng(spec.seed)
+    hd, n_q, n_kv = spec.n_embd_head, spec.n_head * spec.n_embd_head, spec.n_head_kv * spec.n_embd_head
+
+    def matrix(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
+        # std 1/sqrt(fan_in) keeps each projection's output O(1) for an O(1) input
+        return rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(gain / np.sqrt(n_in))
+
+    def norm(n: int, mean: float = 1.0) -> np.ndarray:
+        return (mean + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return 0.2 * rng.standard_normal(n, dtype=np.float32)
+
+    embd_dtype = spec.embd_dtype or spec.dtype
+    yield _typed("token_embd.weight", rng.standard_normal((spec.n_vocab, spec.n_embd), dtype=np.float32),
+                 embd_dtype)
+    yield _typed("output_norm.weight", norm(spec.n_embd), "f32")
+    if not spec.tied:
+        # gain 3: logits with a std of ~3 (tied models get std ~sqrt(n_embd) from the O(1) embedding)
+        yield _typed("output.weight", matrix(spec.n_vocab, spec.n_embd, gain=3.0), spec.dtype)
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        yield _typed(p + "attn_norm.weight", norm(spec.n_embd), "f32")
+        # qwen3 normalises q and k per head, so the gain goes into those norm weights instead
+        qk_gain = 1.0 if spec.arch == "qwen3" else QK_GAIN
+        yield _typed(p + "attn_q.weight", matrix(n_q, spec.n_embd, qk_gain), spec.dtype)
+        yield _typed(p + "attn_k.weight", matrix(n_kv, spec.n_embd, qk_gain), spec.dtype)
+        yield _typed(p + "attn_v.weight", matrix(n_kv, spec.n_embd), spec.dtype)
+        if spec.arch == "qwen2":
+            yield _typed(p + "attn_q.bias", bias(n_q), "f32")
+            yield _typed(p + "attn_k.bias", bias(n_kv), "f32")
+            yield _typed(p + "attn_v.bias", bias(n_kv), "f32")
+        if spec.arch == "qwen3":
+            yield _typed(p + "attn_q_norm.weight", norm(hd, QK_GAIN), "f32")
+            yield _typed(p + "attn_k_norm.weight", norm(hd, QK_GAIN), "f32")
+        yield _typed(p + "attn_output.weight", matrix(spec.n_embd, n_q), spec.dtype)
+        yield _typed(p + "ffn_norm.weight", norm(spec.n_embd), "f32")
+        yield _typed(p + "ffn_gate.weight", matrix(spec.n_ff, spec.n_embd), spec.dtype)
+        yield _typed(p + "ffn_up.weight", matrix(spec.n_ff, spec.n_embd), spec.dtype)
+        yield _typed(p + "ffn_down.weight", matrix(spec.n_embd, spec.n_ff), spec.dtype)
+
+
+def _typed(name: str, values: np.ndarray, dtype: str):
+    """The tensor stored as `dtype`: gguf.quants packs quantized and bf16 types into bytes."""
+    ggml_type = dtype_named(dtype).ggml_type
+    data = gguf.quants.quantize(values.astype(np.float32), ggml_type)
+    raw = ggml_type if data.dtype == np.uint8 else None
+    return name, data, raw
