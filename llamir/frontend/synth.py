@@ -124,6 +124,7 @@ def write_model(path: str | Path, spec: SynthSpec) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; the model is an ordinary file
         os.replace(tmp_name, path)
     finally:
         if os.path.exists(tmp_name):
