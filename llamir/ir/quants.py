@@ -12,28 +12,53 @@ from collections.abc import Callable
 import numpy as np
 
 from llamir.ir.dtypes import (
-    BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_1, Q8_K, DType,
+    BF16,
+    F16,
+    F32,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    Q8_1,
+    Q8_K,
+    DType,
 )
 
 QK_K = 256
 _F32 = np.float32
+# gguf's GGML_QUANT_SIZES still has the old float d/s block_q8_1 (40 bytes); ggml's is 2 fp16 + 32.
+_BLOCK_BYTES_OVERRIDE = {Q8_1.name: 36}
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def block_bytes(dtype: DType) -> int:
+    """sizeof(block) in ggml: dtype.type_size, except Q8_1 whose gguf entry is stale (40 -> 36)."""
+    return _BLOCK_BYTES_OVERRIDE.get(dtype.name, dtype.type_size)
 
 
 def quant_shape(byte_shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
     """Logical shape [..., n] of a tensor stored as bytes [..., row_bytes]."""
     *lead, nbytes = byte_shape
-    if nbytes % dtype.type_size:
-        raise ValueError(f"{nbytes} bytes per row is not a whole number of {dtype} blocks "
-                         f"of {dtype.type_size} bytes")
-    return (*lead, nbytes // dtype.type_size * dtype.block_size)
+    size = block_bytes(dtype)
+    if nbytes % size:
+        raise ValueError(f"{nbytes} bytes per row is not a whole number of {dtype} blocks of {size} bytes")
+    return (*lead, nbytes // size * dtype.block_size)
 
 
 def byte_shape(shape: tuple[int, ...], dtype: DType) -> tuple[int, ...]:
     """Byte shape [..., row_bytes] of a tensor of logical shape [..., n]."""
     *lead, n = shape
-    return (*lead, dtype.row_bytes(n))
+    if n % dtype.block_size:
+        raise ValueError(f"a {dtype} row of {n} elements is not a whole number of "
+                         f"{dtype.block_size}-element blocks")
+    return (*lead, n // dtype.block_size * block_bytes(dtype))
 
 
 def fp32_to_fp16_bits(x: np.ndarray) -> np.ndarray:
@@ -99,37 +124,43 @@ def _as_bytes(raw: np.ndarray, dtype: DType) -> np.ndarray:
 # same float32 operations in the same order as ggml's dequantize_row_*.
 
 
+def _scaled(q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """float(q) * d (+ m), each step rounded to float32; one fused cast-multiply pass."""
+    out = np.multiply(q, d, dtype=_F32)
+    if m is not None:
+        out += m
+    return out
+
+
 def _deq_q4_0(b: np.ndarray) -> np.ndarray:
-    q = _halves(b[:, 2:18]).astype(np.int8) - 8
-    return q.astype(_F32) * _f16(b, 0)
+    return _scaled(_halves(b[:, 2:18]).astype(np.int8) - 8, _f16(b, 0))
 
 
 def _deq_q4_1(b: np.ndarray) -> np.ndarray:
-    return _halves(b[:, 4:20]).astype(_F32) * _f16(b, 0) + _f16(b, 2)
+    return _scaled(_halves(b[:, 4:20]), _f16(b, 0), _f16(b, 2))
 
 
 def _deq_q5_0(b: np.ndarray) -> np.ndarray:
     q = (_halves(b[:, 6:22]) | (_high_bits(_u32(b, 2), 32) << 4)).astype(np.int8) - 16
-    return q.astype(_F32) * _f16(b, 0)
+    return _scaled(q, _f16(b, 0))
 
 
 def _deq_q5_1(b: np.ndarray) -> np.ndarray:
-    q = _halves(b[:, 8:24]) | (_high_bits(_u32(b, 4), 32) << 4)
-    return q.astype(_F32) * _f16(b, 0) + _f16(b, 2)
+    return _scaled(_halves(b[:, 8:24]) | (_high_bits(_u32(b, 4), 32) << 4), _f16(b, 0), _f16(b, 2))
 
 
 def _deq_q8_0(b: np.ndarray) -> np.ndarray:
-    return b[:, 2:34].view(np.int8).astype(_F32) * _f16(b, 0)
+    return _scaled(b[:, 2:34].view(np.int8), _f16(b, 0))
 
 
 def _deq_q8_1(b: np.ndarray) -> np.ndarray:
     # ggml has no dequantize_row_q8_1; this is d*q, what vec_dot sees (s = d*sum(q) is derived)
-    return b[:, 4:36].view(np.int8).astype(_F32) * _f16(b, 0)
+    return _scaled(b[:, 4:36].view(np.int8), _f16(b, 0))
 
 
 def _deq_q8_k(b: np.ndarray) -> np.ndarray:
     d = np.ascontiguousarray(b[:, 0:4]).view("<f4")
-    return d * b[:, 4:260].view(np.int8).astype(_F32)
+    return _scaled(b[:, 4:260].view(np.int8), d)
 
 
 def _crumbs(qs: np.ndarray) -> np.ndarray:
@@ -230,7 +261,7 @@ def dequantize(raw: np.ndarray, dtype: DType) -> np.ndarray:
     fn = _DEQUANT.get(dtype.name)
     if fn is None:
         raise NotImplementedError(f"dequantize does not support {dtype}")
-    return fn(data.reshape(-1, dtype.type_size)).reshape(out_shape)
+    return fn(data.reshape(-1, block_bytes(dtype))).reshape(out_shape)
 
 
 # --------------------------------------------------------------------------------- quantize
@@ -251,7 +282,7 @@ def _signed_absmax(x: np.ndarray) -> np.ndarray:
 
 def _inverse(d: np.ndarray) -> np.ndarray:
     """ggml's `id = d ? 1.0f/d : 0.0f`."""
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", over="ignore"):
         return np.where(d != 0, _F32(1) / d, _F32(0)).astype(_F32)
 
 
@@ -409,10 +440,10 @@ def split_scale_min(a_raw: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.nda
     if dtype not in (Q4_1, Q5_1):
         raise NotImplementedError(f"split_scale_min is for Q4_1/Q5_1, got {dtype}")
     data = _as_bytes(a_raw, dtype)
-    blocks = data.reshape(-1, dtype.type_size)
+    blocks = data.reshape(-1, block_bytes(dtype))
     q = _halves(blocks[:, 4:20]) if dtype == Q4_1 else (
         _halves(blocks[:, 8:24]) | (_high_bits(_u32(blocks, 4), 32) << 4))
-    scaled = q.astype(_F32) * _f16(blocks, 0)
+    scaled = _scaled(q, _f16(blocks, 0))
     k_shape = quant_shape(data.shape, dtype)
     return scaled.reshape(k_shape), _f16(blocks, 2).reshape(*k_shape[:-1], -1)
 
@@ -433,7 +464,7 @@ def mul_mat_prepared(weight: np.ndarray, mins: np.ndarray | None, a_dtype: DType
     out = dequantize(packed, vdt) @ weight.T
     if mins is not None:
         # vec_dot_q4_1_q8_1 adds m_a * s_b per block, with s_b = fp16(d_b * sum(q_b)) as stored
-        s_b = _f16(packed.reshape(-1, Q8_1.type_size), 2).reshape(*b.shape[:-1], -1)
+        s_b = _f16(packed.reshape(-1, block_bytes(Q8_1)), 2).reshape(*b.shape[:-1], -1)
         out += s_b @ mins.T
     return out
 

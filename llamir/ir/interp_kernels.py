@@ -1,0 +1,291 @@
+"""The numpy kernels of the reference interpreter, one per op class.
+
+Each kernel follows the op's docstring, computed in float32 the way ggml's CPU backend does
+where the difference is observable: matmul activations are rounded to the weight's
+vec_dot_type, rope angles are accumulated in f32, softmax sums in f64, and so on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamir.ir import ops
+from llamir.ir.dtypes import BF16, F16, F32, DType
+from llamir.ir.graph import Node
+
+f32 = np.float32
+KERNELS: dict[type, Callable] = {}
+
+
+@dataclass
+class Context:
+    """State a kernel may keep across runs: dequantized weights, keyed by buffer address."""
+
+    weight_cache: dict | None = None
+
+
+def kernel(*classes: type):
+    def wrap(fn):
+        for cls in classes:
+            KERNELS[cls] = fn
+        return fn
+    return wrap
+
+
+# -- storage conversions -----------------------------------------------------------------
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16: round to nearest even; NaN stays a quiet NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
+
+
+def to_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """Storage -> float32 values."""
+    if dtype == F32:
+        return x
+    if dtype == F16 or dtype.is_int:
+        return x.astype(np.float32)
+    if dtype == BF16:
+        return bf16_to_f32(x)
+    from llamir.ir import quants
+
+    return quants.dequantize(np.ascontiguousarray(x), dtype)
+
+
+def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """float32 values -> storage of `dtype` (f16 rounds to nearest even, quantized uses
+    ggml's reference quantizer)."""
+    if dtype == F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if dtype == F16:
+        return x.astype(np.float16)
+    if dtype == BF16:
+        return f32_to_bf16(x)
+    if dtype.is_int:
+        return x.astype(dtype.np_dtype)
+    from llamir.ir import quants
+
+    return quants.quantize(np.ascontiguousarray(x, dtype=np.float32), dtype)
+
+
+def tile_to(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """ggml repeat-broadcast: b's axes tile the target's (size-1 axes broadcast for free)."""
+    b = b.reshape((1,) * (len(shape) - b.ndim) + b.shape)
+    reps = [s // d if d not in (1, s) else 1 for s, d in zip(shape, b.shape)]
+    if any(r != 1 for r in reps):
+        b = np.tile(b, reps)
+    return np.broadcast_to(b, shape)
+
+
+def _in(node: Node, i: int) -> DType:
+    return node.inputs[i].dtype
+
+
+# -- element-wise ------------------------------------------------------------------------
+_BINARY = {ops.Add: np.add, ops.Sub: np.subtract, ops.Mul: np.multiply, ops.Div: np.divide}
+
+
+@kernel(*_BINARY)
+def _binary(ctx, node, args, bindings):
+    a, b = to_f32(args[0], _in(node, 0)), to_f32(args[1], _in(node, 1))
+    with np.errstate(all="ignore"):
+        y = _BINARY[type(node.op)](a, tile_to(b, a.shape), dtype=f32)
+    return from_f32(y, node.dtype)
+
+
+def _sigmoid(x):
+    return f32(1) / (f32(1) + np.exp(-x))
+
+
+def _gelu_f32(x):
+    c = f32(math.sqrt(2 / math.pi))
+    return f32(0.5) * x * (f32(1) + np.tanh(c * x * (f32(1) + f32(0.044715) * x * x)))
+
+
+def _gelu_table(x):
+    """ggml's CPU gelu: x rounded to f16, looked up in an f16 table of gelu_f32, +-10 clamps."""
+    xh = x.astype(np.float16).astype(f32)
+    y = _gelu_f32(xh).astype(np.float16).astype(f32)
+    return np.where(x <= -10, f32(0), np.where(x >= 10, x, y))
+
+
+def _gelu_quick_table(x):
+    xh = x.astype(np.float16).astype(f32)
+    return (xh * _sigmoid(f32(1.702) * xh)).astype(np.float16).astype(f32)
+
+
+def _erf(x):
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(f32)
+
+
+_UNARY: dict[type, Callable] = {
+    ops.Neg: np.negative, ops.Abs: np.abs, ops.Sgn: np.sign,
+    ops.Step: lambda x: (x > 0).astype(f32), ops.Tanh: np.tanh,
+    ops.Elu: lambda x: np.where(x > 0, x, np.expm1(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
+    ops.Sigmoid: _sigmoid, ops.Gelu: _gelu_table,
+    ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + _erf(x * f32(1 / math.sqrt(2)))),
+    ops.GeluQuick: _gelu_quick_table, ops.Silu: lambda x: x * _sigmoid(x),
+    ops.HardSigmoid: lambda x: np.clip((x + 3) / 6, 0, 1),
+    ops.HardSwish: lambda x: x * np.clip((x + 3) / 6, 0, 1),
+    ops.Exp: np.exp, ops.Log: np.log, ops.Sqr: np.square, ops.Sqrt: np.sqrt,
+    ops.Sin: np.sin, ops.Cos: np.cos, ops.Softplus: lambda x: np.logaddexp(f32(0), x),
+}
+
+
+@kernel(*_UNARY)
+def _unary(ctx, node, args, bindings):
+    with np.errstate(all="ignore"):
+        y = _UNARY[type(node.op)](to_f32(args[0], _in(node, 0)))
+    return from_f32(np.asarray(y, dtype=f32), node.dtype)
+
+
+_GLU_ACT = {ops.SwiGlu: _UNARY[ops.Silu], ops.GeGlu: _gelu_table, ops.ReGlu: _UNARY[ops.Relu],
+            ops.GeGluErf: _UNARY[ops.GeluErf], ops.GeGluQuick: _gelu_quick_table}
+
+
+@kernel(*_GLU_ACT)
+def _glu(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    if node.op.split:
+        a, b = x, to_f32(args[1], _in(node, 1))
+    else:
+        half = x.shape[-1] // 2
+        a, b = x[..., :half], x[..., half:]
+    if node.op.swapped:
+        a, b = b, a
+    with np.errstate(all="ignore"):
+        y = _GLU_ACT[type(node.op)](a) * b
+    return from_f32(y, node.dtype)
+
+
+@kernel(ops.Scale)
+def _scale(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    y = x * f32(node.op.s) + f32(node.op.b) if node.op.b else x * f32(node.op.s)
+    return from_f32(y, node.dtype)
+
+
+@kernel(ops.Clamp)
+def _clamp(ctx, node, args, bindings):
+    return from_f32(np.clip(to_f32(args[0], _in(node, 0)), f32(node.op.min), f32(node.op.max)), node.dtype)
+
+
+@kernel(ops.Fill)
+def _fill(ctx, node, args, bindings):
+    return from_f32(np.full(args[0].shape, node.op.c, dtype=f32), node.dtype)
+
+
+# -- normalisation -----------------------------------------------------------------------
+@kernel(ops.RmsNorm)
+def _rms_norm(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    mean = (np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32)
+    scale = (f32(1) / np.sqrt(mean + f32(node.op.eps))).astype(f32)
+    return from_f32(x * scale, node.dtype)
+
+
+@kernel(ops.Norm)
+def _norm(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    mean = (np.sum(x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32)
+    centred = x - mean
+    var = (np.sum(centred * centred, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32)
+    return from_f32(centred * (f32(1) / np.sqrt(var + f32(node.op.eps))), node.dtype)
+
+
+@kernel(ops.L2Norm)
+def _l2_norm(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    norm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64)).astype(f32)
+    return from_f32(x / np.maximum(norm, f32(node.op.eps)), node.dtype)
+
+
+@kernel(ops.GroupNorm)
+def _group_norm(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    channels = x.shape[-3]
+    per_group = -(-channels // node.op.n_groups)
+    y = np.empty_like(x)
+    for c0 in range(0, channels, per_group):
+        part = x[..., c0:c0 + per_group, :, :]
+        mean = part.mean(axis=(-3, -2, -1), keepdims=True, dtype=np.float64).astype(f32)
+        centred = part - mean
+        var = (centred * centred).mean(axis=(-3, -2, -1), keepdims=True, dtype=np.float64).astype(f32)
+        y[..., c0:c0 + per_group, :, :] = centred / np.sqrt(var + f32(node.op.eps))
+    return from_f32(y, node.dtype)
+
+
+# -- reductions and orderings ------------------------------------------------------------
+@kernel(ops.SumRows)
+def _sum_rows(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    return from_f32(np.sum(x, axis=-1, keepdims=True, dtype=np.float64).astype(f32), node.dtype)
+
+
+@kernel(ops.Mean)
+def _mean(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    return from_f32((np.sum(x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32),
+                    node.dtype)
+
+
+@kernel(ops.Sum)
+def _sum(ctx, node, args, bindings):
+    x = to_f32(args[0], _in(node, 0))
+    return from_f32(np.array([np.sum(x, dtype=np.float64)], dtype=f32), node.dtype)
+
+
+@kernel(ops.Argsort)
+def _argsort(ctx, node, args, bindings):
+    x = args[0]
+    order = np.argsort(-x if node.op.descending else x, axis=-1, kind="stable")
+    return order.astype(np.int32)
+
+
+@kernel(ops.TopK)
+def _top_k(ctx, node, args, bindings):
+    order = np.argsort(-args[0], axis=-1, kind="stable")
+    return np.ascontiguousarray(order[..., : node.op.k].astype(np.int32))
+
+
+# -- layout copies -----------------------------------------------------------------------
+@kernel(ops.Cont)
+def _cont(ctx, node, args, bindings):
+    from llamir.ir.interp import storage_shape
+
+    return np.array(args[0], copy=True, order="C").reshape(
+        storage_shape(node.type.evaluate(bindings), node.dtype))
+
+
+@kernel(ops.Cpy)
+def _cpy(ctx, node, args, bindings):
+    src = _in(node, 0)
+    if src == node.dtype:
+        return np.array(args[0], copy=True, order="C")
+    return from_f32(to_f32(args[0], src), node.dtype)
+
+
+@kernel(ops.Concat)
+def _concat(ctx, node, args, bindings):
+    return np.concatenate([args[0], args[1]], axis=node.op.axis % args[0].ndim)
+
+
+@kernel(ops.Repeat)
+def _repeat(ctx, node, args, bindings):
+    from llamir.ir.interp import storage_shape
+
+    shape = storage_shape(node.type.evaluate(bindings), node.dtype)
+    return np.ascontiguousarray(tile_to(args[0], shape))
+
+
+from llamir.ir import interp_nn as _nn  # noqa: E402,F401  (registers the matmul and attention kernels)

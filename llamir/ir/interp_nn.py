@@ -1,0 +1,275 @@
+"""Reference kernels for matmuls, row gathers/scatters, rope, softmax and attention."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from llamir.ir import ops
+from llamir.ir.dtypes import BF16, F16, F32, I32, DType
+from llamir.ir.interp_kernels import _in, f32, from_f32, kernel, to_f32
+
+
+# -- matmul ------------------------------------------------------------------------------
+def _cached(ctx, a: np.ndarray, dtype: DType, what: str, make):
+    if ctx.weight_cache is None or not isinstance(a, np.ndarray):
+        return make()
+    key = (a.__array_interface__["data"][0], a.shape, a.strides, dtype.name, what)
+    hit = ctx.weight_cache.get(key)
+    if hit is None:
+        hit = ctx.weight_cache[key] = make()
+    return hit
+
+
+def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool) -> np.ndarray:
+    """b [N, K] f32 @ a[M, K].T -> [N, M] f32, with b rounded to a's vec_dot_type (ggml CPU)."""
+    if a_dtype == F32:
+        return b @ a.T
+    if a_dtype in (F16, BF16):
+        a32 = _cached(ctx, a, a_dtype, "f32", lambda: to_f32(a, a_dtype)) if cacheable else to_f32(a, a_dtype)
+        b_round = b.astype(np.float16).astype(f32) if a_dtype == F16 else to_f32(from_f32(b, BF16), BF16)
+        return b_round @ a32.T
+    from llamir.ir import quants
+
+    if cacheable and ctx.weight_cache is not None and hasattr(quants, "mul_mat_ggml_cached"):
+        return quants.mul_mat_ggml_cached(ctx.weight_cache, a, a_dtype, b)
+    return quants.mul_mat_ggml(a, a_dtype, b)
+
+
+def _batch_index(idx: tuple[int, ...], a_batch: tuple[int, ...], b_batch: tuple[int, ...]) -> tuple[int, ...]:
+    """ggml's broadcast: b batch i uses a batch i // (nb / na) (consecutive b's share an a)."""
+    return tuple(i // (nb // na) for i, na, nb in zip(idx, a_batch, b_batch))
+
+
+@kernel(ops.MulMat)
+def _mul_mat(ctx, node, args, bindings):
+    a, b = args
+    a_dtype = _in(node, 0)
+    b32 = to_f32(b, _in(node, 1))
+    cacheable = node.inputs[0].kind == "weight"
+    rank = max(a.ndim, b32.ndim)
+    a = a.reshape((1,) * (rank - a.ndim) + a.shape)
+    b32 = b32.reshape((1,) * (rank - b32.ndim) + b32.shape)
+    a_batch, b_batch = a.shape[:-2], b32.shape[:-2]
+    m = node.type.evaluate(bindings)[-1]
+    out = np.empty(b_batch + (b32.shape[-2], m), dtype=f32)
+    for idx in np.ndindex(*b_batch):
+        out[idx] = matmul_2d(ctx, a[_batch_index(idx, a_batch, b_batch)], a_dtype, b32[idx], cacheable)
+    return out.reshape(node.type.evaluate(bindings))
+
+
+@kernel(ops.MulMatId)
+def _mul_mat_id(ctx, node, args, bindings):
+    w, b, ids = args
+    w_dtype = _in(node, 0)
+    b32 = to_f32(b, _in(node, 1))
+    n_expert = w.shape[0]
+    _check_indices(ids, n_expert, "mul_mat_id expert id")
+    n_tokens, k = ids.shape
+    out = np.empty((n_tokens, k, node.type.evaluate(bindings)[-1]), dtype=f32)
+    for e in np.unique(ids):
+        tok, slot = np.nonzero(ids == e)
+        rows = b32[tok, slot % b32.shape[1]]
+        out[tok, slot] = matmul_2d(ctx, w[e], w_dtype, rows, node.inputs[0].kind == "weight")
+    return out
+
+
+# -- rows ----------------------------------------------------------------------------------
+def _check_indices(idx: np.ndarray, n: int, what: str) -> None:
+    bad = (idx < 0) | (idx >= n)
+    if np.any(bad):
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{what} {int(idx[where])} at {list(where)} is outside [0, {n})")
+
+
+@kernel(ops.GetRows)
+def _get_rows(ctx, node, args, bindings):
+    a, idx = args
+    _check_indices(idx, a.shape[-2], "get_rows index")
+    if a.ndim == 2:
+        rows = a[idx]
+    else:
+        rows = np.stack([a[b][idx[b]] for b in np.ndindex(*a.shape[:-2])])
+        rows = rows.reshape(idx.shape + rows.shape[-1:])
+    if _in(node, 0) == I32:
+        return np.ascontiguousarray(rows)
+    return np.ascontiguousarray(to_f32(rows, _in(node, 0)), dtype=f32)
+
+
+@kernel(ops.SetRows)
+def _set_rows(ctx, node, args, bindings):
+    dst, src, idx = args
+    dst_dtype = node.dtype
+    _check_indices(idx, dst.shape[-2], "set_rows index")
+    src32 = to_f32(src, _in(node, 1))
+    batch = dst.shape[:-2]
+    if not batch:
+        dst[idx.reshape(-1)] = from_f32(src32, dst_dtype)
+        return dst
+    idx = idx.reshape((1,) * (3 - idx.ndim) + idx.shape)  # [ne12, ne11, N]
+    full = (1,) * (2 - len(batch)) + batch
+    for b in np.ndindex(*full):
+        i3, i2 = b
+        rows = idx[i3 % idx.shape[0], i2 % idx.shape[1]]
+        target = dst[b[-len(batch):]]
+        target[rows] = from_f32(src32[b[-len(batch):]], dst_dtype)
+    return dst
+
+
+# -- rope ----------------------------------------------------------------------------------
+def rope_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float):
+    """ggml_rope_yarn_corr_dims, in f32 like ggml."""
+    def corr_dim(n_rot: float) -> float:
+        return float(f32(n_dims) * f32(math.log(f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(math.pi))))
+                     / (f32(2) * f32(math.log(f32(freq_base)))))
+    start = math.floor(corr_dim(beta_fast))
+    end = math.ceil(corr_dim(beta_slow))
+    return max(0.0, start), min(n_dims - 1.0, end)
+
+
+def rope_cos_sin(op: ops.RopeExt, pos: np.ndarray, freq_factors: np.ndarray | None):
+    """cos/sin [T, n_dims/2] as ggml_rope_cache_init computes them (theta *= theta_scale in f32)."""
+    half = op.n_dims // 2
+    theta_scale = f32(np.power(f32(op.freq_base), f32(-2.0) / f32(op.n_dims)))
+    theta = pos.astype(f32)
+    thetas = np.empty((pos.shape[0], half), dtype=f32)
+    for i in range(half):
+        thetas[:, i] = theta
+        theta = theta * theta_scale
+    if freq_factors is not None:
+        thetas = thetas / freq_factors[:half].astype(f32)
+    theta_interp = f32(op.freq_scale) * thetas
+    mscale = f32(op.attn_factor)
+    if op.ext_factor != 0.0:
+        low, high = rope_corr_dims(op.n_dims, op.n_ctx_orig, op.freq_base, op.beta_fast, op.beta_slow)
+        y = (np.arange(half, dtype=f32) - f32(low)) / f32(max(0.001, high - low))
+        ramp_mix = (f32(1) - np.clip(y, 0, 1)) * f32(op.ext_factor)
+        theta_interp = theta_interp * (f32(1) - ramp_mix) + thetas * ramp_mix
+        mscale = mscale * f32(1.0 + 0.1 * math.log(1.0 / op.freq_scale))
+    return np.cos(theta_interp) * mscale, np.sin(theta_interp) * mscale
+
+
+@kernel(ops.RopeExt)
+def _rope(ctx, node, args, bindings):
+    op = node.op
+    x = to_f32(args[0], _in(node, 0))
+    cos, sin = rope_cos_sin(op, args[1], args[2] if op.freq_factors else None)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, n_dims/2] against x [..., T, H, d]
+    y = np.array(x, dtype=f32, copy=True)
+    half = op.n_dims // 2
+    if op.mode == ops.ROPE_NEOX:
+        x0, x1 = x[..., :half], x[..., half:op.n_dims]
+        y[..., :half] = x0 * cos - x1 * sin
+        y[..., half:op.n_dims] = x0 * sin + x1 * cos
+    else:
+        x0, x1 = x[..., 0:op.n_dims:2], x[..., 1:op.n_dims:2]
+        y[..., 0:op.n_dims:2] = x0 * cos - x1 * sin
+        y[..., 1:op.n_dims:2] = x0 * sin + x1 * cos
+    return from_f32(y, node.dtype)
+
+
+# -- softmax and attention -----------------------------------------------------------------
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """Per-head ALiBi slopes as ggml computes them (all 1 when max_bias == 0)."""
+    if max_bias <= 0:
+        return np.ones(n_head, dtype=f32)
+    n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = f32(2.0) ** (-f32(max_bias) / f32(n_head_log2))
+    m1 = f32(2.0) ** (-(f32(max_bias) / f32(2)) / f32(n_head_log2))
+    return np.array([m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1)
+                     for h in range(n_head)], dtype=f32)
+
+
+def _mask_rows(mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The mask rows that apply to x of `shape` [..., H, T, n]: first T rows, heads tiled."""
+    from llamir.ir.interp_kernels import tile_to
+
+    m = mask[..., : shape[-2], :]
+    return tile_to(m, shape) if m.ndim > 1 else m
+
+
+@kernel(ops.SoftMaxExt)
+def _soft_max(ctx, node, args, bindings):
+    op = node.op
+    x = args[0]
+    rest = list(args[1:])
+    w = x * f32(op.scale)
+    if op.mask:
+        mask = _mask_rows(to_f32(rest.pop(0), _in(node, 1)), x.shape)
+        if op.max_bias > 0:
+            slopes = alibi_slopes(x.shape[-3], op.max_bias)[:, None, None]
+            w = w + slopes * mask
+        else:
+            w = w + mask
+    row_max = np.max(w, axis=-1, keepdims=True)
+    sinks = None
+    if op.sinks:
+        sinks = rest.pop(0).astype(f32)[:, None, None]
+        row_max = np.maximum(row_max, sinks)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(w - row_max).astype(f32)
+        total = np.sum(e, axis=-1, keepdims=True, dtype=np.float64)
+        if sinks is not None:
+            total = total + np.exp(sinks - row_max).astype(np.float64)
+        return (e * (1.0 / total).astype(f32)).astype(f32)
+
+
+@kernel(ops.FlashAttnExt)
+def _flash_attn(ctx, node, args, bindings):
+    """Online-softmax attention per query row, like ggml's CPU kernel (see its docstring):
+    q is rounded to k's vec_dot_type; with an f16 V the running sum is kept in f16."""
+    op = node.op
+    q, k, v = args[:3]
+    rest = list(args[3:])
+    k_dtype, v_dtype = _in(node, 1), _in(node, 2)
+    k32, v32 = to_f32(k, k_dtype), to_f32(v, v_dtype)
+    if k_dtype == F16:
+        q = q.astype(np.float16).astype(f32)
+    n_s, n_head, n_tok, _ = q.shape
+    rk, rv = n_head // k.shape[1], n_head // v.shape[1]
+    k32 = np.repeat(k32, rk, axis=1)
+    v32 = np.repeat(v32, rv, axis=1)
+    scale = f32(op.scale / op.logit_softcap) if op.logit_softcap else f32(op.scale)
+    s = np.matmul(q, np.swapaxes(k32, -1, -2)) * scale  # [S, H, T, n]
+    if op.logit_softcap:
+        s = f32(op.logit_softcap) * np.tanh(s)
+    if op.mask:
+        mask = to_f32(rest.pop(0), _in(node, 3))[..., :n_tok, :]
+        mask = np.broadcast_to(np.tile(mask, (n_s // mask.shape[0], n_head // mask.shape[1], 1, 1)), s.shape)
+        s = s + alibi_slopes(n_head, op.max_bias)[None, :, None, None] * mask
+    sinks = rest.pop(0).astype(f32) if op.sinks else None
+    out = _online_softmax_v(s, v32, f16_accumulate=(v_dtype == F16), sinks=sinks)
+    return np.ascontiguousarray(np.swapaxes(out, 1, 2))  # [S, T, H, dv]
+
+
+def _online_softmax_v(s: np.ndarray, v: np.ndarray, f16_accumulate: bool, sinks) -> np.ndarray:
+    """sum_j softmax(s)_j v_j computed cell by cell as ggml does (M, S running; VKQ in f16/f32)."""
+    n_s, n_head, n_tok, n_kv = s.shape
+    dv = v.shape[-1]
+    acc_type = np.float16 if f16_accumulate else f32
+    acc = np.zeros((n_s, n_head, n_tok, dv), dtype=acc_type)
+    run_max = np.full((n_s, n_head, n_tok, 1), -np.inf, dtype=f32)
+    run_sum = np.zeros((n_s, n_head, n_tok, 1), dtype=f32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in range(n_kv):
+            sj = s[..., j:j + 1]
+            live = sj != -np.inf
+            new_max = live & (sj > run_max)
+            ms = np.where(new_max, np.exp(run_max - sj), f32(1)).astype(f32)
+            vs = np.where(new_max, f32(1), np.exp(sj - run_max)).astype(f32)
+            vs = np.where(live, vs, f32(0))
+            ms = np.where(live, ms, f32(1))
+            run_max = np.where(new_max, sj, run_max)
+            scaled = (acc.astype(f32) * ms).astype(acc_type)
+            acc = (scaled.astype(f32) + v[:, :, None, j, :] * vs).astype(acc_type)
+            run_sum = run_sum * ms + vs
+        acc32 = acc.astype(f32)
+        if sinks is not None:
+            sk = sinks[None, :, None, None]
+            new_max = sk > run_max
+            ms = np.where(new_max, np.exp(run_max - sk), f32(1)).astype(f32)
+            vs = np.where(new_max, f32(1), np.exp(sk - run_max)).astype(f32)
+            acc32 = acc32 * ms
+            run_sum = run_sum * ms + vs
+        return (acc32 * np.where(run_sum == 0, f32(0), f32(1) / run_sum)).astype(f32)
