@@ -146,7 +146,8 @@ def _copy_hashing(src, out, total: int, label: str | None) -> tuple[str, int]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Verification stamps: `<file>.verified.json` with the size, mtime and sha256 seen when last checked.
+# Verification stamps: `<file>.verified.json` with the size, mtime, inode and sha256 seen when last
+# checked. Rewriting or replacing the file changes one of the first three, which forces a re-hash.
 
 
 def _is_verified(path: Path, item: WheelMember, progress: bool) -> bool:
@@ -187,13 +188,15 @@ def _stamp_matches(path: Path, stamp: dict) -> bool:
         st = path.stat()
     except OSError:
         return False
-    return stamp.get("size") == st.st_size and stamp.get("mtime_ns") == st.st_mtime_ns
+    seen = (stamp.get("size"), stamp.get("mtime_ns"), stamp.get("inode"))
+    return seen == (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def _write_stamp(path: Path, sha256: str | None) -> None:
     st = path.stat()
     tmp = _stamp_path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}))
+    tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+                               "sha256": sha256}))
     os.replace(tmp, _stamp_path(path))
 
 
