@@ -1,9 +1,8 @@
 """ggml's block formats in numpy: dequantize, reference quantize, and the CPU matmul precision.
 
 Layouts follow ggml-common.h, arithmetic follows ggml-quants.c (reference code, compiled without
-FMA contraction), and the activation conversion follows ggml-cpu/arch/x86/quants.c (AVX2 path).
-A quantized row of n values is stored as uint8 bytes [n // block_size * type_size].
-"""
+FMA contraction, float sums in loop order), and the activation conversion follows
+ggml-cpu/arch/x86/quants.c (AVX2 path)."""
 
 from __future__ import annotations
 
@@ -368,10 +367,133 @@ def _q_q8_k(x: np.ndarray) -> np.ndarray:
                            bsums.astype("<i2").view(np.uint8)], axis=-1)
 
 
+# K-quant reference quantizers, vectorised over sub-blocks (rows of [G, n]).
+
+
+def _seq_sum(terms: np.ndarray) -> np.ndarray:
+    """Row sums of float32 terms [G, n] added left to right as a C loop does (np.sum is pairwise)."""
+    return np.cumsum(terms, axis=1, dtype=_F32)[:, -1]
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's make_qkx2_quants (use_mad=false) on rows x [G, n]: (scale, the_min, L)."""
+    f = _F32
+    lo, hi = np.minimum(x.min(axis=1), f(0)), x.max(axis=1)
+    flat, flat_min = hi == lo, lo  # flat rows return early in C: L = 0, scale 0, the original min
+    hi = np.where(flat, lo + f(1), hi)  # any nonzero span; flat rows are overwritten at the end
+    sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
+
+    def levels(iscale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(f)
+
+    def error(scale: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:
+        return _seq_sum(w * np.square((scale[:, None] * q + mn[:, None]) - x))
+
+    iscale = f(nmax) / (hi - lo)
+    scale = f(1) / iscale
+    q = levels(iscale, lo)
+    best = error(scale, lo, q)
+    for step in range(nstep + 1):
+        # C updates `min` in place when a step wins, so later steps search from the fitted min
+        q_try = levels((f(rmin) + f(rdelta) * f(step) + f(nmax)) / (hi - lo), lo)
+        wq = w * q_try
+        sum_l, sum_l2, sum_xl = _seq_sum(wq), _seq_sum(wq * q_try), _seq_sum(wq * x)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s_try = (sum_w * sum_xl - sum_x * sum_l) / det
+            m_try = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            s_try = np.where(m_try > 0, sum_xl / sum_l2, s_try)
+        m_try = np.where(m_try > 0, f(0), m_try)
+        cur = error(s_try, m_try, q_try)
+        better = (det > 0) & (cur < best)
+        q = np.where(better[:, None], q_try, q)
+        best, scale, lo = (np.where(better, a, b) for a, b in ((cur, best), (s_try, scale), (m_try, lo)))
+    return np.where(flat, f(0), scale), -np.where(flat, flat_min, lo), np.where(flat[:, None], f(0), q)
+
+
+def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_qx_quants with rmse_type=1 and no weights on rows x [G, n]: (scale, L in [0, 2*nmax))."""
+    f = _F32
+    mx = _signed_absmax(x)[:, 0]
+    zero = np.abs(mx) < f(1e-15)
+    mx = np.where(zero, f(1), mx)
+    w = x * x
+
+    def attempt(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        q = np.clip(np.rint(iscale[:, None] * x), -nmax, nmax - 1).astype(f)
+        return q, _seq_sum(w * x * q), _seq_sum(w * q * q)
+
+    q, sumlx, suml2 = attempt(f(-nmax) / mx)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 != 0, sumlx / suml2, f(0))
+        best = scale * sumlx
+        for step in (*range(-9, 0), *range(1, 10)):
+            q_try, sumlx, suml2 = attempt(-(f(nmax) + f(0.1) * f(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            q = np.where(better[:, None], q_try, q)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    return np.where(zero, f(0), scale), np.where(zero[:, None], 0, q.astype(np.int32) + nmax)
+
+
+def _requantize(x: np.ndarray, d: np.ndarray, q_old: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """clip(nearest_int(x / d)) per sub-block; sub-blocks with d == 0 keep q_old (ggml's `continue`)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(np.rint(x / np.where(d == 0, _F32(1), d)), lo, hi)
+    return np.where(d == 0, q_old, q).astype(np.int32)
+
+
+def _q_q4_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_K_ref: per 32-sub-block affine fit, 6-bit scales/mins, 4-bit levels."""
+    nb, f = x.shape[0], _F32
+    xs = x.reshape(nb * 8, 32)
+    av_x = np.sqrt(_seq_sum(xs * xs) / f(32))
+    scales, mins, q = _make_qkx2_quants(xs, av_x[:, None] + np.abs(xs), 15, -1.0, 0.1, 20)
+    scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
+    max_scale = np.maximum(scales.max(axis=1, keepdims=True), f(0))
+    max_min = np.maximum(mins.max(axis=1, keepdims=True), f(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f(63) / max_scale, f(0))
+        inv_min = np.where(max_min > 0, f(63) / max_min, f(0))
+    # uint8_t ls = nearest_int(...) wraps negatives before MIN(63, ls)
+    ls = np.minimum(63, np.rint(inv_scale * scales).astype(np.int64) & 0xFF).astype(np.uint8)
+    lm = np.minimum(63, np.rint(inv_min * mins).astype(np.int64) & 0xFF).astype(np.uint8)
+    packed = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+                             (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)], axis=1)
+    d, dmin = max_scale / f(63), max_min / f(63)
+    sc, m = k4_scales_mins(packed)
+    d_sub = (_f16_bytes(d).view(np.float16).astype(f) * sc.astype(f)).reshape(-1, 1)
+    dm_sub = (_f16_bytes(dmin).view(np.float16).astype(f) * m.astype(f)).reshape(-1, 1)
+    q = _requantize(xs + dm_sub, d_sub, q, 0, 15).reshape(nb, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(nb, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=1)
+
+
+def _q_q6_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q6_K_ref: per 16-sub-block symmetric fit, int8 scales, 6-bit levels, d last."""
+    nb, f = x.shape[0], _F32
+    xs = x.reshape(nb * 16, 16)
+    scales, q = _make_qx_quants(xs, 32)
+    scales = scales.reshape(nb, 16)
+    max_scale = _signed_absmax(scales)
+    zero = np.abs(max_scale) < f(1e-15)
+    iscale = f(-128) / np.where(zero, f(1), max_scale)
+    d = np.where(zero, f(0), f(1) / iscale)
+    sc = np.where(zero, 0, np.minimum(127, np.rint(iscale * scales))).astype(np.int8)
+    d_sub = (_f16_bytes(d).view(np.float16).astype(f) * sc.astype(f)).reshape(-1, 1)
+    q = _requantize(xs, d_sub, q - 32, -32, 31) + 32
+    q = np.where(zero, 0, q.reshape(nb, 256)).reshape(nb, 2, 4, 32)  # [half, k of y[l+32k], l]
+    ql = (q[:, :, :2] & 0xF) | ((q[:, :, 2:] & 0xF) << 4)  # ql[l] = y[l] | y[l+64], ql[l+32] likewise
+    qh = sum((q[:, :, k] >> 4) << (2 * k) for k in range(4))
+    return np.concatenate([ql.astype(np.uint8).reshape(nb, 128), qh.astype(np.uint8).reshape(nb, 64),
+                           sc.view(np.uint8), _f16_bytes(d)], axis=1)
+
+
 _QUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     Q4_0.name: _q_q4_0, Q4_1.name: _q_q4_1, Q5_0.name: _q_q5_0, Q5_1.name: _q_q5_1,
     Q8_0.name: lambda x: _q8_0_bytes(*_q8_ref(x)), Q8_1.name: lambda x: _q8_1_bytes(*_q8_ref(x)),
-    Q8_K.name: _q_q8_k,
+    Q8_K.name: _q_q8_k, Q4_K.name: _q_q4_k, Q6_K.name: _q_q6_k,
 }
 
 # ggml-cpu's type_traits_cpu[...].from_float on x86 with AVX: only q8_0/q8_1 differ from the ref.
@@ -400,7 +522,7 @@ def _encode(x: np.ndarray, dtype: DType, table: dict[str, Callable[[np.ndarray],
 def quantize(x: np.ndarray, dtype: DType) -> np.ndarray:
     """uint8 bytes [..., row_bytes] of float32 x [..., n], equal bit for bit to ggml's quantize_row_*_ref.
 
-    Supports F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q8_K."""
+    Supports F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q8_K, Q4_K, Q6_K."""
     return _encode(x, dtype, _QUANT, "quantize")
 
 

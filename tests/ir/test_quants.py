@@ -144,8 +144,8 @@ def test_bf16_round_half_even_and_quiet_nan():
 
 
 def test_quantize_unsupported_names_dtype():
-    with pytest.raises(NotImplementedError, match="q4_k"):
-        quants.quantize(np.zeros((1, 256), f32), Q4_K)
+    with pytest.raises(NotImplementedError, match="q5_k"):
+        quants.quantize(np.zeros((1, 256), f32), Q5_K)
     with pytest.raises(NotImplementedError, match="i32"):
         quants.vec_dot_type(I32)
 
@@ -314,6 +314,29 @@ def test_q6_k_block_closed_form_with_d_last(rng):
     assert raw.shape == (1, 210)
     expected = 0.25 * scales[np.arange(256) // 16].astype(int) * (q - 32)
     np.testing.assert_array_equal(quants.dequantize(raw, Q6_K)[0], expected)
+
+
+def test_q6_k_quantize_exact_fit_closed_form(rng):
+    # Integers in [-32, 31] with -32 in every 16-group: make_qx_quants finds scale exactly 1 per group,
+    # the super-block gets iscale = -128, sc = -128, d = fp16(-1/128), and d*sc*q reproduces x exactly.
+    x = rng.integers(-32, 32, (2, 512)).astype(f32)
+    x.reshape(-1, 16)[:, 5] = -32
+    raw = quants.quantize(x * f32(2.0 ** -5), Q6_K)
+    assert np.all(raw.reshape(-1, 210)[:, 192:208].view(np.int8) == -128)
+    np.testing.assert_array_equal(quants.dequantize(raw, Q6_K), x * f32(2.0 ** -5))
+
+
+def test_q4_k_quantize_exact_fit_closed_form(rng):
+    # x = s*l - m0 with l in 0..15 (both ends in every 32-group) fits with zero error, so
+    # make_qkx2_quants returns (s, m0) unchanged; s = 63/64 and m0 = 63/16 make d = 2^-6 and
+    # dmin = 2^-4 exact in fp16, with 6-bit scale and min 63 everywhere.
+    levels = rng.integers(0, 16, (2, 512))
+    levels.reshape(-1, 32)[:, :2] = [0, 15]
+    x = (levels * (63 / 64) - 63 / 16).astype(f32)
+    raw = quants.quantize(x, Q4_K).reshape(-1, 144)
+    assert np.all(raw[:, :4].view(np.float16) == [2.0 ** -6, 2.0 ** -4])
+    assert np.all(np.concatenate(quants.k4_scales_mins(raw[:, 4:16]), axis=1) == 63)
+    np.testing.assert_array_equal(quants.dequantize(raw.reshape(2, -1), Q4_K), x)
 
 
 def test_shapes_and_block_bytes():
@@ -508,9 +531,11 @@ def test_dequantize_matches_libggml(rng, libggml, dtype):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("dtype", [*LEGACY, Q8_1, Q8_K, F16, BF16], ids=str)
+@pytest.mark.parametrize("dtype", [*LEGACY, Q8_1, Q8_K, Q4_K, Q6_K, F16, BF16], ids=str)
 def test_quantize_and_cpu_from_float_match_libggml(rng, libggml, dtype):
     x = test_data(rng, 16, 512)
+    x[3] = np.abs(x[3])  # all-positive rows take the `this_min > 0` branch of make_qkx2_quants
+    x[4, :200] = 0
     np.testing.assert_array_equal(quants.quantize(x, dtype), libggml.from_float(x, dtype, cpu=False))
     if dtype in (Q8_0, Q8_1, Q8_K, F16, BF16):  # the vec_dot types
         np.testing.assert_array_equal(quants.cpu_from_float(x, dtype), libggml.from_float(x, dtype, cpu=True))
