@@ -115,3 +115,31 @@ def test_smollm2_two_blocks():
     _record("smollm2[:2] q4_1 ubatch vs batch", nmse(_logits(q4_1, tokens, "ubatch"), quant), bound=1e-3)
     _record("smollm2[:2] f32 incremental vs batch", nmse(_logits(f32, tokens, "incremental"), exact),
             bound=1e-5)
+
+
+def test_oracle_memory_ops_and_greedy(synth_models):
+    """The harness itself: sequence ops and greedy decoding agree with plain decodes."""
+    path = synth_models["llama", "f32"]
+    tokens = _tokens(_spec("llama").n_vocab)[:12]
+    with LlamaCppOracle(path, n_ctx=128, n_batch=32, type_k="f32", type_v="f32", n_seq_max=2,
+                        kv_unified=True) as oracle:
+        full = oracle.eval_logits(tokens, "batch")
+        assert (oracle.seq_pos_min(0), oracle.seq_pos_max(0)) == (0, len(tokens) - 1)
+        assert oracle.seq_rm(0, len(tokens) - 1, -1)           # drop the last position, decode it again
+        assert oracle.seq_pos_max(0) == len(tokens) - 2
+        assert oracle.decode(tokens[-1:], pos0=len(tokens) - 1) == 0
+        assert nmse(oracle.logits_ith(0), full[-1]) < 1e-10
+        oracle.seq_cp(0, 1)                                     # seq 1 shares the prefix of seq 0
+        oracle.seq_rm(1, len(tokens) - 1, -1)
+        assert oracle.decode(tokens[-1:], pos0=len(tokens) - 1, seq_id=1) == 0
+        assert nmse(oracle.logits_ith(0), full[-1]) < 1e-10
+        oracle.seq_keep(1)
+        assert oracle.seq_pos_max(0) == -1 and oracle.seq_pos_max(1) == len(tokens) - 1
+        with pytest.raises(IndexError):
+            oracle.logits_ith(5)                                # only one output in the last decode
+
+        generated = oracle.greedy(tokens, 4)
+        context = list(tokens)
+        for token in generated:
+            assert token == int(np.argmax(oracle.eval_logits(context, "batch")[-1]))
+            context.append(token)

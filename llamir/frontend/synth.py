@@ -21,22 +21,12 @@ import gguf
 import numpy as np
 import regex
 
+from llamir.frontend.gguf_rewrite import FILE_TYPES
 from llamir.ir.dtypes import dtype_named
 
 ARCHS = ("llama", "qwen2", "qwen3")
-MATRIX_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-
-# general.file_type describes the bulk of the 2-D matrices (llama.cpp's llama_ftype).
-_FILE_TYPES = {
-    "f32": gguf.LlamaFileType.ALL_F32,
-    "f16": gguf.LlamaFileType.MOSTLY_F16,
-    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
-    "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
-    "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
-}
+# the matrix types gguf.quants can write, each with its general.file_type
+MATRIX_DTYPES = tuple(FILE_TYPES)
 
 # Same layout as SmolLM2: specials first, bos = <|im_start|>, eos = <|im_end|>.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -178,7 +168,7 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
         w.add_key_length(spec.n_embd_head)
         w.add_value_length(spec.n_embd_head)
     w.add_vocab_size(spec.n_vocab)
-    w.add_file_type(_FILE_TYPES[spec.dtype])
+    w.add_file_type(FILE_TYPES[spec.dtype])
     if dtype_named(spec.dtype).is_quantized or dtype_named(spec.embd_dtype or spec.dtype).is_quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
