@@ -1,0 +1,63 @@
+"""Generic test helpers: the `nmse` error measure and golden-text files.
+
+    def test_x(nmse, golden):
+        assert nmse(got, want) < 1e-12
+        golden("x.ir", text)            # pytest --update-golden rewrites tests/golden/x.ir
+"""
+
+from __future__ import annotations
+
+import difflib
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/golden/* with the text the tests produce")
+
+
+def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
+    """sum((a - b)^2) / sum(b^2), in float64; 0 when both are all zero. Shapes must match."""
+    a = np.asarray(actual, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    if a.shape != b.shape:
+        raise AssertionError(f"shape {a.shape} != expected {b.shape}")
+    err = float(np.sum((a - b) ** 2))
+    ref = float(np.sum(b * b))
+    if ref == 0.0:
+        return 0.0 if err == 0.0 else float("inf")
+    return err / ref
+
+
+@pytest.fixture(name="nmse")
+def nmse_fixture() -> Callable[[np.ndarray, np.ndarray], float]:
+    return nmse
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
+    """golden(name, text): assert `text` equals tests/golden/<name> (or rewrite it with
+    --update-golden)."""
+    update = request.config.getoption("--update-golden")
+
+    def check(name: str, text: str) -> None:
+        path = GOLDEN_DIR / name
+        if update:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return
+        if not path.exists():
+            pytest.fail(f"no golden file {path}; run pytest --update-golden to create it")
+        want = path.read_text()
+        if text != want:
+            diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True),
+                                                f"golden/{name}", "actual"))
+            pytest.fail(f"output differs from golden/{name} (pytest --update-golden rewrites it):\n{diff}")
+
+    return check
