@@ -1,0 +1,13 @@
+"""llamir: a graph compiler for LLM inference.
+
+    model = llamir.load_model("model.gguf")
+    ctx = llamir.Context(model, n_ctx=2048, backend="numpy")
+    ctx.decode(llamir.Batch.from_tokens(model.vocab.tokenize("Hello"), logits="last"))
+    row = ctx.get_logits_ith(-1)
+"""
+
+from llamir.context import Batch, Context, ContextParams
+from llamir.frontend.model import Model, ModelError, load_model
+
+__version__ = "0.1.0"
+__all__ = ["Batch", "Context", "ContextParams", "Model", "ModelError", "load_model", "__version__"]

@@ -12,6 +12,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 
+# gguf lists Q8_1 with an old 40-byte layout (f32 d and s); ggml's block_q8_1 is two fp16 then 32 int8.
+_TYPE_SIZE_FIXES = {GGMLQuantizationType.Q8_1: 36}
+
+
 @dataclass(frozen=True, slots=True)
 class DType:
     """One IR element type: a name, its ggml type id, and its block geometry."""
@@ -28,7 +32,7 @@ class DType:
     @property
     def type_size(self) -> int:
         """Bytes per block (the element size for plain types)."""
-        return GGML_QUANT_SIZES[self.ggml_type][1]
+        return _TYPE_SIZE_FIXES.get(self.ggml_type, GGML_QUANT_SIZES[self.ggml_type][1])
 
     @property
     def is_float(self) -> bool:

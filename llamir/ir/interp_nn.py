@@ -32,9 +32,10 @@ def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool
         return b_round @ a32.T
     from llamir.ir import quants
 
-    if cacheable and ctx.weight_cache is not None and hasattr(quants, "mul_mat_ggml_cached"):
-        return quants.mul_mat_ggml_cached(ctx.weight_cache, a, a_dtype, b)
-    return quants.mul_mat_ggml(a, a_dtype, b)
+    if not cacheable or ctx.weight_cache is None:
+        return quants.mul_mat_ggml(a, a_dtype, b)
+    weight, mins = _cached(ctx, a, a_dtype, "prepared", lambda: quants.prepare_weight(a, a_dtype))
+    return quants.mul_mat_prepared(weight, mins, a_dtype, b)
 
 
 def _batch_index(idx: tuple[int, ...], a_batch: tuple[int, ...], b_batch: tuple[int, ...]) -> tuple[int, ...]:
@@ -251,8 +252,9 @@ def _online_softmax_v(s: np.ndarray, v: np.ndarray, f16_accumulate: bool, sinks)
     acc = np.zeros((n_s, n_head, n_tok, dv), dtype=acc_type)
     run_max = np.full((n_s, n_head, n_tok, 1), -np.inf, dtype=f32)
     run_sum = np.zeros((n_s, n_head, n_tok, 1), dtype=f32)
+    live_cols = np.nonzero(np.any(s != -np.inf, axis=(0, 1, 2)))[0]  # ggml skips -inf cells per row
     with np.errstate(invalid="ignore", over="ignore"):
-        for j in range(n_kv):
+        for j in live_cols:
             sj = s[..., j:j + 1]
             live = sj != -np.inf
             new_max = live & (sj > run_max)

@@ -1,0 +1,339 @@
+"""Batches, their validation (llama_batch_allocr::init) and ubatch splits (llama-batch.cpp)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("llamir")
+
+LLAMA_MAX_SEQ = 256
+
+
+class BatchError(ValueError):
+    """An invalid batch; decode turns it into status -1. The message names the bad entry."""
+
+
+@dataclass
+class Batch:
+    """llama_batch: tokens (or embeddings), positions, sequence ids and output flags per token.
+
+    `pos` None: positions continue what the memory holds for each token's first sequence.
+    `seq_ids` None: every token is in sequence 0. `logits` None: only the last token outputs.
+    """
+
+    tokens: np.ndarray | None = None
+    embd: np.ndarray | None = None
+    pos: np.ndarray | None = None
+    seq_ids: list[tuple[int, ...]] | None = None
+    logits: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None:
+            self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        if self.embd is not None:
+            self.embd = np.ascontiguousarray(self.embd, dtype=np.float32)
+            if self.embd.ndim != 2:
+                raise BatchError(f"embd must be [n_tokens, n_embd], got shape {self.embd.shape}")
+        if (self.tokens is None) == (self.embd is None):
+            raise BatchError("a batch needs exactly one of tokens and embd")
+        n = self.n_tokens
+        if self.pos is not None:
+            self.pos = np.asarray(self.pos, dtype=np.int64).reshape(-1)
+            if len(self.pos) != n:
+                raise BatchError(f"{len(self.pos)} positions for {n} tokens")
+        if self.seq_ids is not None:
+            self.seq_ids = [tuple(int(s) for s in (ids if isinstance(ids, Sequence) else (ids,)))
+                            for ids in self.seq_ids]
+            if len(self.seq_ids) != n:
+                raise BatchError(f"{len(self.seq_ids)} seq_id lists for {n} tokens")
+            for i, ids in enumerate(self.seq_ids):
+                if not ids:
+                    raise BatchError(f"token {i} belongs to no sequence")
+        if self.logits is not None:
+            self.logits = np.asarray(self.logits, dtype=bool).reshape(-1)
+            if len(self.logits) != n:
+                raise BatchError(f"{len(self.logits)} logits flags for {n} tokens")
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) if self.tokens is not None else len(self.embd)
+
+    @classmethod
+    def from_tokens(cls, tokens: Sequence[int], pos0: int | None = 0, seq_id: int | Sequence[int] = 0,
+                    logits: str | Sequence[bool] = "last") -> Batch:
+        """One sequence (or a token set shared by several) at consecutive positions from pos0
+        (pos0=None: continue the memory). logits: "last", "all", "none" or one flag per token."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = len(tokens)
+        ids = (seq_id,) if isinstance(seq_id, int) else tuple(seq_id)
+        if isinstance(logits, str):
+            if logits not in ("last", "all", "none"):
+                raise BatchError(f"logits must be 'last', 'all', 'none' or a list of flags, got {logits!r}")
+            flags = np.zeros(n, dtype=bool)
+            if logits == "all":
+                flags[:] = True
+            elif logits == "last" and n:
+                flags[-1] = True
+        else:
+            flags = np.asarray(logits, dtype=bool)
+        pos = None if pos0 is None else np.arange(pos0, pos0 + n, dtype=np.int64)
+        return cls(tokens=tokens, pos=pos, seq_ids=[ids] * n, logits=flags)
+
+
+@dataclass
+class UBatch:
+    """llama_ubatch: a slice of the batch processed by one graph evaluation."""
+
+    equal_seqs: bool
+    n_seq_tokens: int
+    n_seqs: int
+    tokens: np.ndarray | None
+    embd: np.ndarray | None
+    pos: np.ndarray
+    seq_ids: list[tuple[int, ...]]
+    output: np.ndarray
+    batch_idxs: np.ndarray
+    seq_id_unq: list[int] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.pos)
+
+    @property
+    def n_seqs_unq(self) -> int:
+        return len(self.seq_id_unq)
+
+    @property
+    def n_outputs(self) -> int:
+        return int(self.output.sum())
+
+    def seq_idx(self, seq_id: int) -> int:
+        return self.seq_id_unq.index(seq_id)
+
+
+class BatchAllocator:
+    """Validates a batch against the vocab and memory, fills defaults, and splits it."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.tokens: np.ndarray | None = None
+        self.embd: np.ndarray | None = None
+        self.pos = np.zeros(0, dtype=np.int32)
+        self.seq_ids: list[tuple[int, ...]] = []
+        self.output = np.zeros(0, dtype=bool)
+        self.n_outputs = 0
+        self.has_cpl = False
+        self.seq_sets: list[frozenset[int]] = []
+        self.seq_set_map: dict[frozenset[int], list[int]] = {}
+        self.seq_pos: dict[int, set[int]] = {}
+        self.seq_id_unq: list[int] = []
+        self.split_reset()
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.pos)
+
+    def init(self, batch: Batch, n_vocab: int, memory, n_embd: int, n_seq_max: int, output_all: bool) -> None:
+        """llama_batch_allocr::init: raise BatchError with llama.cpp's reason on a bad batch."""
+        self.clear()
+        if n_seq_max > LLAMA_MAX_SEQ:
+            raise BatchError(f"n_seq_max = {n_seq_max} > {LLAMA_MAX_SEQ}")
+        n = batch.n_tokens
+        if n == 0:
+            raise BatchError("n_tokens == 0")
+        if batch.tokens is not None:
+            bad = np.nonzero((batch.tokens < 0) | (batch.tokens >= n_vocab))[0]
+            if len(bad):
+                raise BatchError(f"invalid token[{bad[0]}] = {batch.tokens[bad[0]]} (n_vocab = {n_vocab})")
+            self.tokens = batch.tokens.astype(np.int32)
+        else:
+            if batch.embd.shape[1] != n_embd:
+                raise BatchError(f"embd rows have {batch.embd.shape[1]} values, the model needs {n_embd}")
+            self.embd = batch.embd
+        seq_ids = batch.seq_ids or [(0,)] * n
+        for i, ids in enumerate(seq_ids):
+            for s, sid in enumerate(ids):
+                if sid < 0 or sid >= n_seq_max:
+                    raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
+        self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
+        self.pos = self._positions(batch, memory, n_seq_max)
+        self.output = np.zeros(n, dtype=bool)
+        if batch.logits is not None:
+            self.output[:] = batch.logits
+        else:
+            self.output[-1] = True
+        if output_all and not self.output.all():
+            log.warning("embeddings required but some input tokens were not marked as outputs -> overriding")
+            self.output[:] = True
+        self.n_outputs = int(self.output.sum())
+        self._stats(n_seq_max)
+        self._check_consistency(memory)
+        self.split_reset()
+
+    def _positions(self, batch: Batch, memory, n_seq_max: int) -> np.ndarray:
+        if batch.pos is not None:
+            return batch.pos.astype(np.int32)
+        nxt = {s: (memory.seq_pos_max(s) + 1 if memory is not None else 0) for s in range(n_seq_max)}
+        pos = np.empty(batch.n_tokens, dtype=np.int32)
+        for i, ids in enumerate(self.seq_ids):
+            pos[i] = nxt[ids[0]]
+            nxt[ids[0]] += 1
+        return pos
+
+    def _stats(self, n_seq_max: int) -> None:
+        self.seq_cpl: set[tuple[int, int]] = set()
+        unique: set[int] = set()
+        for i, ids in enumerate(self.seq_ids):
+            for s, sid in enumerate(ids):
+                self.seq_pos.setdefault(sid, set()).add(int(self.pos[i]))
+                if s > 0:
+                    self.seq_cpl.add((sid, ids[0]))
+                    self.has_cpl = True
+            cur = frozenset(ids)
+            self.seq_sets.append(cur)
+            self.seq_set_map.setdefault(cur, []).append(i)
+            unique.update(ids)
+        self.seq_id_unq = sorted(unique)
+
+    def seq_pos_min(self, s: int) -> int:
+        return min(self.seq_pos[s]) if self.seq_pos.get(s) else -1
+
+    def seq_pos_max(self, s: int) -> int:
+        return max(self.seq_pos[s]) if self.seq_pos.get(s) else -1
+
+    def _check_consistency(self, memory) -> None:
+        for s in sorted(self.seq_pos):
+            p0 = memory.seq_pos_max(s) if memory is not None else -1
+            if p0 >= 0 and self.seq_pos_min(s) != p0 + 1:
+                raise BatchError(
+                    f"the tokens of sequence {s} in the input batch have inconsistent sequence positions: the "
+                    f"memory holds positions up to X = {p0}, the batch starts at Y = {self.seq_pos_min(s)}; "
+                    f"it is required that the sequence positions remain consecutive: Y = X + 1")
+            if self.seq_pos_max(s) - self.seq_pos_min(s) + 1 > len(self.seq_pos[s]):
+                raise BatchError(f"sequence {s} positions are not continuous")
+        if memory is not None:
+            for s1, s0 in sorted(self.seq_cpl):
+                if (memory.seq_pos_min(s0) != memory.seq_pos_min(s1)
+                        or memory.seq_pos_max(s0) != memory.seq_pos_max(s1)):
+                    raise BatchError(f"sequence {s1} is coupled to {s0} in the input batch, but have diverged")
+        cur_set: dict[int, frozenset[int] | None] = {}
+        cur_pos: dict[int, int] = {}
+        for i, ids in enumerate(self.seq_ids):
+            p = int(self.pos[i])
+            for sid in ids:
+                prev = cur_set.get(sid)
+                cur_set[sid] = self.seq_sets[i] if prev is None else prev & self.seq_sets[i]
+                if not cur_set[sid]:
+                    raise BatchError(f"sequence {sid} belongs to incompatible sequence sets (not allowed)")
+                if p < cur_pos.get(sid, -1):
+                    raise BatchError(f"sequence {sid} positions are decreasing (not allowed): token {i} has "
+                                     f"pos {p} after pos {cur_pos[sid]}")
+                cur_pos[sid] = p
+
+    # -- splits -----------------------------------------------------------------------------------
+    def split_reset(self) -> None:
+        self.out_ids: list[int] = []
+        self.n_used = 0
+        self.used = np.zeros(self.n_tokens, dtype=bool)
+
+    def split_simple(self, n_ubatch: int) -> UBatch | None:
+        """The next unused tokens in batch order, at most n_ubatch."""
+        free = np.nonzero(~self.used)[0]
+        if not len(free):
+            return None
+        start = int(free[0])
+        idxs = list(range(start, min(start + n_ubatch, self.n_tokens)))
+        return self._take(idxs, n_seqs=len(idxs), equal_seqs=False)
+
+    def split_equal(self, n_ubatch: int, sequential: bool) -> UBatch | None:
+        """Equal-length runs from non-overlapping sequence sets (what recurrent memory needs)."""
+        if sequential and self.has_cpl:
+            log.error("sequential split is not supported when there are coupled sequences in the input batch "
+                      "(you may need to use the -kvu flag)")
+            return None
+        chosen: list[frozenset[int]] = []
+        last_seq = -1
+        for i in range(self.n_tokens):
+            if self.used[i]:
+                continue
+            add = all(not (c & self.seq_sets[i]) for c in chosen)
+            if sequential:
+                add = add and (not chosen or self.seq_ids[i][0] == last_seq + 1)
+            if add:
+                chosen.append(self.seq_sets[i])
+                last_seq = self.seq_ids[i][0]
+                if len(chosen) > n_ubatch:
+                    break
+        if not chosen:
+            return None
+        cursors = []
+        for c in chosen:
+            members = self.seq_set_map[c]
+            k = 0
+            while self.used[members[k]]:
+                k += 1
+            cursors.append(k)
+        per_seq: list[list[int]] = [[] for _ in chosen]
+        while all(cursors[s] < len(self.seq_set_map[c]) for s, c in enumerate(chosen)):
+            for s, c in enumerate(chosen):
+                idx = self.seq_set_map[c][cursors[s]]
+                per_seq[s].append(idx)
+                self.used[idx] = True
+                self.n_used += 1
+                cursors[s] += 1
+            if (len(per_seq[0]) + 1) * len(chosen) > n_ubatch:
+                break
+        idxs = [i for run in per_seq for i in run]
+        return self._take(idxs, n_seqs=len(chosen), equal_seqs=True, mark=False)
+
+    def split_seq(self, n_ubatch: int) -> UBatch | None:
+        """A run starting at the first unused token, then tokens whose set is within the current one."""
+        free = np.nonzero(~self.used)[0]
+        if not len(free):
+            return None
+        cur = int(free[0])
+        cur_set = self.seq_sets[cur]
+        idxs = []
+        while True:
+            idxs.append(cur)
+            self.used[cur] = True
+            self.n_used += 1
+            if len(idxs) >= n_ubatch:
+                break
+            cur += 1
+            while cur < self.n_tokens and (self.used[cur] or not self.seq_sets[cur] <= cur_set):
+                cur += 1
+            if cur == self.n_tokens:
+                break
+            cur_set = self.seq_sets[cur]
+        return self._take(idxs, n_seqs=1, equal_seqs=True, mark=False)
+
+    def _take(self, idxs: list[int], n_seqs: int, equal_seqs: bool, mark: bool = True) -> UBatch:
+        if mark:
+            self.used[idxs] = True
+            self.n_used += len(idxs)
+        sel = np.asarray(idxs, dtype=np.int64)
+        seq_ids = [self.seq_ids[i] for i in idxs]
+        output = self.output[sel].copy()
+        self.out_ids.extend(int(i) for i in sel[output])
+        return UBatch(
+            equal_seqs=equal_seqs, n_seq_tokens=len(idxs) // n_seqs, n_seqs=n_seqs,
+            tokens=None if self.tokens is None else self.tokens[sel].copy(),
+            embd=None if self.embd is None else self.embd[sel].copy(),
+            pos=self.pos[sel].copy(), seq_ids=seq_ids, output=output, batch_idxs=sel,
+            seq_id_unq=sorted({s for ids in seq_ids for s in ids}))
+
+
+def ubatch_reserve(n_seq_tokens: int, n_seqs: int) -> UBatch:
+    """The dummy equal-seqs ubatch used to reserve worst-case graphs (seq ids 0..n_seqs-1)."""
+    n = n_seq_tokens * n_seqs
+    return UBatch(equal_seqs=True, n_seq_tokens=n_seq_tokens, n_seqs=n_seqs,
+                  tokens=np.zeros(n, dtype=np.int32), embd=None, pos=np.zeros(n, dtype=np.int32),
+                  seq_ids=[(0,)] * n, output=np.zeros(n, dtype=bool), batch_idxs=np.arange(n),
+                  seq_id_unq=list(range(n_seqs)))

@@ -1,0 +1,166 @@
+"""Graph inputs that fill themselves from a ubatch (llm_graph_input_*), and the graph result
+that ties a compiled graph to them (llm_graph_result) with llama.cpp's reuse test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llamir.context.batch import UBatch
+from llamir.context.kv_cache import KVCacheContext
+
+
+@dataclass(frozen=True)
+class GraphParams:
+    """The subset of llm_graph_params that decides whether a graph can be reused."""
+
+    equal_seqs: bool
+    n_tokens: int
+    n_seq_tokens: int
+    n_seqs: int
+    n_seqs_unq: int
+    has_tokens: bool
+    seq_id_unq: tuple[int, ...]
+    embeddings: bool
+    causal_attn: bool
+    n_outputs: int
+    gtype: str = "decoder"
+
+    @classmethod
+    def of(cls, ubatch: UBatch, n_outputs: int, embeddings: bool, causal: bool, gtype: str = "decoder"):
+        return cls(ubatch.equal_seqs, ubatch.n_tokens, ubatch.n_seq_tokens, ubatch.n_seqs, ubatch.n_seqs_unq,
+                   ubatch.tokens is not None, tuple(ubatch.seq_id_unq), embeddings, causal, n_outputs, gtype)
+
+    def allow_reuse(self, other: GraphParams) -> bool:
+        """llm_graph_params::allow_reuse."""
+        same_seqs = not self.equal_seqs or self.seq_id_unq == other.seq_id_unq
+        return (self.equal_seqs == other.equal_seqs and self.n_tokens == other.n_tokens
+                and self.n_seq_tokens == other.n_seq_tokens and self.n_seqs == other.n_seqs
+                and self.n_seqs_unq == other.n_seqs_unq and self.has_tokens == other.has_tokens and same_seqs
+                and self.embeddings == other.embeddings and self.causal_attn == other.causal_attn
+                and self.n_outputs == other.n_outputs and self.gtype == other.gtype)
+
+
+class GraphInput:
+    """One input object: the leaves it owns, how to fill them, and whether a graph may be reused."""
+
+    leaf_names: tuple[str, ...] = ()
+
+    def set_input(self, ubatch: UBatch, values: dict[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def can_reuse(self, params: GraphParams) -> bool:
+        return False
+
+
+@dataclass
+class InputEmbd(GraphInput):
+    """inp_tokens i32 [T] or inp_embd f32 [T, n_embd]."""
+
+    has_tokens: bool
+    n_tokens: int = 0
+
+    @property
+    def leaf_names(self):
+        return ("inp_tokens",) if self.has_tokens else ("inp_embd",)
+
+    def set_input(self, ubatch, values):
+        self.n_tokens = ubatch.n_tokens
+        if self.has_tokens:
+            values["inp_tokens"] = ubatch.tokens.astype(np.int32)
+        else:
+            values["inp_embd"] = np.ascontiguousarray(ubatch.embd, dtype=np.float32)
+
+    def can_reuse(self, params):
+        return params.has_tokens == self.has_tokens and params.n_tokens == self.n_tokens
+
+
+@dataclass
+class InputPos(GraphInput):
+    """inp_pos i32 [T]."""
+
+    leaf_names = ("inp_pos",)
+    n_tokens: int = 0
+
+    def set_input(self, ubatch, values):
+        self.n_tokens = ubatch.n_tokens
+        values["inp_pos"] = ubatch.pos.astype(np.int32)
+
+    def can_reuse(self, params):
+        return params.n_tokens == self.n_tokens
+
+
+@dataclass
+class InputOutIds(GraphInput):
+    """inp_out_ids i32 [n_out]: the ubatch rows that produce outputs."""
+
+    leaf_names = ("inp_out_ids",)
+    n_outputs: int = 0
+
+    def set_input(self, ubatch, values):
+        if self.n_outputs == ubatch.n_tokens:
+            ids = np.arange(ubatch.n_tokens, dtype=np.int32)
+        else:
+            ids = np.nonzero(ubatch.output)[0].astype(np.int32)
+        if len(ids) != self.n_outputs:
+            raise ValueError(f"{len(ids)} output rows but the graph expects {self.n_outputs}")
+        values["inp_out_ids"] = ids
+
+    def can_reuse(self, params):
+        return params.n_outputs == self.n_outputs
+
+
+@dataclass
+class InputAttnKV(GraphInput):
+    """attn_inp_k_idxs, attn_inp_v_idxs and attn_inp_kq_mask from the KV cache context."""
+
+    mctx: KVCacheContext
+    n_embd_v_gqa: int
+    causal: bool
+    mask_dtype: np.dtype
+    alibi: bool = False
+    n_tokens: int = 0
+    n_kv: int = 0
+    leaf_names = ("attn_inp_k_idxs", "attn_inp_v_idxs", "attn_inp_kq_mask")
+
+    def set_input(self, ubatch, values):
+        cache, sinfo = self.mctx.cache, self.mctx.slot()
+        self.n_tokens, self.n_kv = ubatch.n_tokens, self.mctx.n_kv
+        values["attn_inp_k_idxs"] = cache.k_idxs(ubatch, sinfo)
+        values["attn_inp_v_idxs"] = cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa)
+        values["attn_inp_kq_mask"] = cache.kq_mask(ubatch, sinfo, self.n_kv, self.causal, self.alibi,
+                                                   self.mask_dtype)
+
+    def rebind(self, mctx: KVCacheContext) -> None:
+        self.mctx = mctx
+
+    def can_reuse(self, params):
+        # mask ne[0] == n_kv and ne[1] == n_tokens, as llama.cpp checks (fails with several streams)
+        n_streams = self.mctx.slot().n_stream if self.mctx.slots else 1
+        return (params.n_tokens == self.n_tokens and self.mctx.n_kv == self.n_kv
+                and self.n_tokens // n_streams == params.n_tokens)
+
+
+@dataclass
+class GraphResult:
+    """A built graph with its executable, its inputs and the params it was built for."""
+
+    graph: object
+    executable: object
+    params: GraphParams
+    inputs: list[GraphInput] = field(default_factory=list)
+
+    def can_reuse(self, params: GraphParams, mctx: KVCacheContext | None) -> bool:
+        if not self.params.allow_reuse(params):
+            return False
+        for inp in self.inputs:
+            if isinstance(inp, InputAttnKV) and mctx is not None:
+                inp.rebind(mctx)
+        return all(inp.can_reuse(params) for inp in self.inputs)
+
+    def set_inputs(self, ubatch: UBatch) -> dict[str, np.ndarray]:
+        values: dict[str, np.ndarray] = {}
+        for inp in self.inputs:
+            inp.set_input(ubatch, values)
+        return values

@@ -1,0 +1,399 @@
+"""The unified KV cache (llama_kv_cache): buffers, cells per stream, slots, masks, sequence ops.
+
+The graph side (leaves, stores, views) is llamir.frontend.graph_kv; this module owns the
+memory and fills the graph inputs from a ubatch: attn_inp_k_idxs, attn_inp_v_idxs and
+attn_inp_kq_mask.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from llamir.context.batch import LLAMA_MAX_SEQ, BatchAllocator, UBatch
+from llamir.context.kv_cells import KVCells
+from llamir.frontend.graph_kv import KVLayout, cache_k_name, cache_v_name
+from llamir.frontend.hparams import HParams
+from llamir.ir import F16, DType
+from llamir.ir.interp import storage_dtype, storage_shape
+
+log = logging.getLogger("llamir")
+POS_MAX = np.iinfo(np.int32).max
+
+
+class MemoryStatus(IntEnum):
+    SUCCESS = 0
+    NO_UPDATE = 1
+    FAILED_PREPARE = 2
+    FAILED_COMPUTE = 3
+
+
+def is_masked_swa(n_swa: int, swa_type: str, p0, p1):
+    """llama_hparams::is_masked_swa (p0 the cell's position, p1 the token's); works on arrays."""
+    if swa_type == "standard":
+        return p1 - p0 >= n_swa
+    if swa_type == "chunked":
+        return p0 < (p1 // n_swa) * n_swa
+    if swa_type == "symmetric":
+        return np.abs(p1 - p0) > n_swa // 2
+    return np.zeros(np.broadcast(p0, p1).shape, dtype=bool) if np.ndim(p0) or np.ndim(p1) else False
+
+
+@dataclass
+class SlotInfo:
+    """Where a ubatch goes: per used stream, the cell indices of its tokens."""
+
+    strm: list[int]
+    idxs: list[np.ndarray]
+
+    @property
+    def s0(self) -> int:
+        return min(self.strm)
+
+    @property
+    def s1(self) -> int:
+        return max(self.strm)
+
+    @property
+    def n_stream(self) -> int:
+        return len(self.strm)
+
+
+class KVCache:
+    """K and V buffers for every attention layer, plus the cell metadata of each stream."""
+
+    def __init__(self, hp: HParams, kv_size: int, n_seq_max: int, unified: bool = True,
+                 type_k: DType = F16, type_v: DType = F16, v_trans: bool = True,
+                 n_swa: int = 0, swa_type: str = "none", layers: tuple[int, ...] | None = None):
+        self.hp = hp
+        self.kv_size = kv_size
+        self.n_seq_max = n_seq_max
+        self.unified = unified
+        self.n_stream = 1 if unified else n_seq_max
+        self.n_swa, self.swa_type = n_swa, swa_type
+        self.layout = KVLayout(kv_size=kv_size, type_k=type_k, type_v=type_v, v_trans=v_trans,
+                               n_stream=self.n_stream,
+                               layers=tuple(range(hp.n_layer)) if layers is None else tuple(layers))
+        n_seq_cols = LLAMA_MAX_SEQ if unified else n_seq_max
+        self.v_cells = [KVCells(kv_size, n_seq_cols) for _ in range(self.n_stream)]
+        self.v_heads = [0] * self.n_stream
+        self.seq_to_stream = [0] * LLAMA_MAX_SEQ if unified else list(range(n_seq_max))
+        self.buffers: dict[str, np.ndarray] = {}
+        for il in self.layout.layers:
+            for name, shape, dtype in ((cache_k_name(il), self.layout.k_shape(hp, il), type_k),
+                                       (cache_v_name(il), self.layout.v_shape(hp, il), type_v)):
+                self.buffers[name] = np.zeros(storage_shape(shape, dtype), dtype=storage_dtype(dtype))
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # -- sizes ------------------------------------------------------------------------------------
+    def get_size(self) -> int:
+        return self.kv_size
+
+    def total_bytes(self) -> int:
+        return sum(a.nbytes for a in self.buffers.values())
+
+    def get_n_kv(self, sinfo: SlotInfo) -> int:
+        """Cells attended: used prefix padded to 256 (keeps graphs stable), at most the size."""
+        n = 0
+        for s in sinfo.strm:
+            cells = self.v_cells[s]
+            padded = max(256, -(-cells.used_max_p1() // 256) * 256)
+            n = max(n, min(cells.size, padded))
+        return n
+
+    def stream_of(self, seq_id: int) -> KVCells:
+        return self.v_cells[self.seq_to_stream[seq_id]]
+
+    # -- slots ------------------------------------------------------------------------------------
+    def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
+        n_tokens, n_seqs = ubatch.n_tokens, 1
+        if self.n_stream > 1:
+            n_seqs = ubatch.n_seqs_unq
+            n_tokens //= n_seqs
+        strm, idxs = [], []
+        for s in range(n_seqs):
+            seq_id = ubatch.seq_id_unq[s]
+            stream = self.seq_to_stream[seq_id]
+            cells = self.v_cells[stream]
+            head = self.v_heads[stream]
+            if head > cells.get_used() + 2 * n_tokens:
+                head = 0
+            if n_tokens > cells.size:
+                log.error("find_slot: n_tokens = %d > size = %d", n_tokens, cells.size)
+                return None
+            found = self._scan(cells, head, n_tokens, cont)
+            if found is None:
+                return None
+            strm.append(stream)
+            idxs.append(np.asarray(found, dtype=np.int64))
+        return SlotInfo(strm, idxs)
+
+    def _scan(self, cells: KVCells, head: int, n_tokens: int, cont: bool) -> list[int] | None:
+        found: list[int] = []
+        n_tested = 0
+        n_test = n_tokens if cont else 1
+        while True:
+            if head + n_test > cells.size:
+                n_tested += cells.size - head
+                head = 0
+                continue
+            for _ in range(n_test):
+                idx = head
+                head += 1
+                n_tested += 1
+                if self._can_use(cells, idx):
+                    found.append(idx)
+                elif cont:
+                    break
+            if len(found) == n_tokens:
+                return found
+            if cont:
+                found.clear()
+            if n_tested >= cells.size:
+                return None
+
+    def _can_use(self, cells: KVCells, idx: int) -> bool:
+        if cells.is_empty(idx):
+            return True
+        if self.n_swa and cells.seq_count(idx) == 1:
+            owner = cells.seq_get(idx)
+            return bool(is_masked_swa(self.n_swa, self.swa_type, int(cells.pos[idx]), cells.seq_pos_max(owner) + 1))
+        return False
+
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
+        """Occupy the slot's cells with the ubatch's positions and sequences."""
+        overwritten: dict[int, int] = {}
+        per = ubatch.n_tokens // sinfo.n_stream
+        for s, stream in enumerate(sinfo.strm):
+            cells = self.v_cells[stream]
+            for ii, idx in enumerate(sinfo.idxs[s]):
+                i = s * per + ii
+                if not cells.is_empty(idx):
+                    owner = cells.seq_get(idx)
+                    overwritten[owner] = max(overwritten.get(owner, -1), int(cells.pos[idx]))
+                    cells.rm(idx)
+                cells.pos_set(idx, int(ubatch.pos[i]))
+                for sid in ubatch.seq_ids[i]:
+                    cells.seq_add(idx, sid)
+        for sid, p_max in sorted(overwritten.items()):
+            cells = self.stream_of(sid)
+            if cells.seq_pos_min(sid) <= p_max:
+                self.seq_rm(sid, cells.seq_pos_min(sid), p_max + 1)
+        for s, stream in enumerate(sinfo.strm):
+            self.v_heads[stream] = int(sinfo.idxs[s][-1]) + 1
+
+    def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo] | None:
+        """Find a slot for every ubatch as if the earlier ones were applied; change nothing."""
+        snapshot = ([c.snapshot() for c in self.v_cells], list(self.v_heads))
+        slots: list[SlotInfo] = []
+        try:
+            for ub in ubatches:
+                sinfo = self.find_slot(ub, cont=False)
+                if sinfo is None:
+                    return None
+                slots.append(sinfo)
+                self.apply_ubatch(sinfo, ub)
+            return slots
+        finally:
+            for cells, snap in zip(self.v_cells, snapshot[0]):
+                cells.restore(snap)
+            self.v_heads = snapshot[1]
+
+    # -- memory interface -------------------------------------------------------------------------
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool) -> KVCacheContext:
+        balloc.split_reset()
+        ubatches: list[UBatch] = []
+        while True:
+            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
+            if ub is None:
+                break
+            ubatches.append(ub)
+        if balloc.n_used < balloc.n_tokens:
+            return KVCacheContext(self, MemoryStatus.FAILED_PREPARE)
+        slots = self.prepare(ubatches)
+        if slots is None:
+            return KVCacheContext(self, MemoryStatus.FAILED_PREPARE)
+        return KVCacheContext(self, MemoryStatus.SUCCESS, ubatches, slots)
+
+    def init_full(self) -> KVCacheContext:
+        """A context covering every cell of every stream, for worst-case reservation."""
+        slot = SlotInfo(list(range(self.n_stream)), [np.arange(1) for _ in range(self.n_stream)])
+        ctx = KVCacheContext(self, MemoryStatus.SUCCESS, [], [slot])
+        ctx.n_kv = self.kv_size
+        return ctx
+
+    def get_can_shift(self) -> bool:
+        return True
+
+    def has_pending_update(self) -> bool:
+        return bool(self.pending_copies) or any(c.has_shift for c in self.v_cells)
+
+    def clear(self, data: bool = True) -> None:
+        for cells in self.v_cells:
+            cells.reset()
+        self.v_heads = [0] * self.n_stream
+        if data:
+            for buf in self.buffers.values():
+                buf[...] = 0
+
+    def _stream_ids(self, seq_id: int) -> list[int]:
+        if seq_id >= 0:
+            if seq_id >= len(self.seq_to_stream):
+                raise ValueError(f"seq_id {seq_id} is out of range [0, {len(self.seq_to_stream)})")
+            return [self.seq_to_stream[seq_id]]
+        return list(range(self.n_stream))
+
+    @staticmethod
+    def _range(p0: int, p1: int) -> tuple[int, int]:
+        return (max(p0, 0), POS_MAX if p1 < 0 else p1)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove [p0, p1) of seq_id (all sequences when seq_id < 0). Always True for this cache."""
+        if seq_id < -1:
+            raise ValueError(f"seq_id {seq_id} is invalid (use -1 for every sequence)")
+        p0, p1 = self._range(p0, p1)
+        for stream in self._stream_ids(seq_id):
+            cells = self.v_cells[stream]
+            in_range = (cells.pos >= p0) & (cells.pos < p1)
+            new_head = cells.size
+            for i in np.nonzero(in_range)[0]:
+                if seq_id >= 0:
+                    freed = cells.seq_has(i, seq_id) and cells.seq_rm(i, seq_id)
+                else:
+                    cells.rm(i)
+                    freed = True
+                if freed and new_head == cells.size:
+                    new_head = int(i)
+            if new_head != cells.size and new_head < self.v_heads[stream]:
+                self.v_heads[stream] = new_head
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        s0, s1 = self._stream_ids(src)[0], self._stream_ids(dst)[0]
+        if s0 == s1:
+            if src == dst:
+                return
+            p0, p1 = self._range(p0, p1)
+            cells = self.v_cells[s0]
+            sel = (cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, src]
+            cells.seq[sel, dst] = True
+            return
+        full = not ((0 < p0 < self.kv_size - 1) or (0 < p1 < self.kv_size - 1))
+        if not full:
+            raise ValueError("seq_cp() across streams is only supported for full KV buffers (p0 = p1 = -1)")
+        self.pending_copies.append((s0, s1))
+        a, b = self.v_cells[s0], self.v_cells[s1]
+        b.reset()
+        for i in a.cells_of(src):
+            b.pos_set(i, int(a.pos[i] - a.shift[i]))
+            b.seq_add(i, dst)
+            if a.shift[i]:
+                b.pos_add(i, int(a.shift[i]))
+        self.v_heads[s1] = self.v_heads[s0]
+
+    def seq_keep(self, seq_id: int) -> None:
+        stream = self._stream_ids(seq_id)[0]
+        cells = self.v_cells[stream]
+        new_head = cells.size
+        for i in range(cells.size):
+            if cells.seq_keep(i, seq_id) and new_head == cells.size:
+                new_head = i
+        if new_head != cells.size and new_head < self.v_heads[stream]:
+            self.v_heads[stream] = new_head
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        stream = self._stream_ids(seq_id)[0]
+        cells = self.v_cells[stream]
+        if shift == 0:
+            return
+        p0, p1 = self._range(p0, p1)
+        if p0 == p1:
+            return
+        new_head = cells.size
+        for i in np.nonzero((cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, seq_id])[0]:
+            if cells.pos_add(i, shift) and new_head == cells.size:
+                new_head = int(i)
+        self.v_heads[stream] = new_head if new_head != cells.size else 0
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        cells = self.v_cells[self._stream_ids(seq_id)[0]]
+        if d == 1:
+            return
+        if d <= 0:
+            raise ValueError(f"seq_div by {d}")
+        p0, p1 = self._range(p0, p1)
+        if p0 == p1:
+            return
+        for i in np.nonzero((cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, seq_id])[0]:
+            cells.pos_div(i, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.stream_of(seq_id).seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.stream_of(seq_id).seq_pos_max(seq_id)
+
+    # -- graph inputs -----------------------------------------------------------------------------
+    def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> np.ndarray:
+        return np.concatenate([strm * self.kv_size + idx for strm, idx in zip(sinfo.strm, sinfo.idxs)])
+
+    def v_idxs(self, ubatch: UBatch, sinfo: SlotInfo, n_embd_v_gqa: int) -> np.ndarray:
+        if not self.layout.v_trans:
+            return self.k_idxs(ubatch, sinfo)
+        j = np.arange(n_embd_v_gqa, dtype=np.int64) * self.kv_size
+        parts = [(strm * self.kv_size * n_embd_v_gqa + j[None, :] + idx[:, None]).reshape(-1)
+                 for strm, idx in zip(sinfo.strm, sinfo.idxs)]
+        return np.concatenate(parts)
+
+    def kq_mask(self, ubatch: UBatch, sinfo: SlotInfo, n_kv: int, causal: bool, alibi: bool = False,
+                dtype=np.float32) -> np.ndarray:
+        """[n_stream, 1, T/n_stream, n_kv]: 0 (or -|p0-p1| with ALiBi) where attention is allowed."""
+        n_streams = sinfo.n_stream
+        per = ubatch.n_tokens // n_streams
+        mask = np.full((n_streams, 1, per, n_kv), -np.inf, dtype=np.float32)
+        for s, stream in enumerate(sinfo.strm):
+            cells = self.v_cells[stream]
+            p0 = cells.pos[:n_kv].astype(np.int64)[None, :]                          # [1, n_kv]
+            tokens = range(s * per, (s + 1) * per)
+            p1 = ubatch.pos[s * per:(s + 1) * per].astype(np.int64)[:, None]         # [per, 1]
+            first = [ubatch.seq_ids[i][0] for i in tokens]
+            allowed = (p0 >= 0) & cells.seq[:n_kv, first].T
+            if causal:
+                allowed &= p0 <= p1
+            if self.swa_type != "none":
+                allowed &= ~is_masked_swa(self.n_swa, self.swa_type, p0, p1)
+            values = -np.abs(p0 - p1).astype(np.float32) if alibi else np.float32(0)
+            mask[s, 0] = np.where(allowed, values, -np.inf)
+        return mask.astype(dtype)
+
+
+@dataclass
+class KVCacheContext:
+    """llama_kv_cache_context: the ubatches of one batch and their slots, applied one by one."""
+
+    cache: KVCache
+    status: MemoryStatus
+    ubatches: list[UBatch] = field(default_factory=list)
+    slots: list[SlotInfo] = field(default_factory=list)
+    i_cur: int = 0
+    n_kv: int = 0
+
+    def next(self) -> bool:
+        self.i_cur += 1
+        return self.i_cur < len(self.ubatches)
+
+    def apply(self) -> bool:
+        """The only call that changes the memory: occupy the current ubatch's cells."""
+        sinfo = self.slots[self.i_cur]
+        self.cache.apply_ubatch(sinfo, self.ubatches[self.i_cur])
+        self.n_kv = self.cache.get_n_kv(sinfo)
+        return True
+
+    def get_ubatch(self) -> UBatch:
+        return self.ubatches[self.i_cur]
+
+    def slot(self) -> SlotInfo:
+        return self.slots[self.i_cur]

@@ -1,0 +1,84 @@
+"""The architecture interface and registry: one short file per architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from llamir.frontend.hparams import HParams
+from llamir.ir.ops import ROPE_NEOX, ROPE_NORM
+
+ARCHS: dict[str, type[Architecture]] = {}
+
+
+def register_arch(cls: type[Architecture]) -> type[Architecture]:
+    ARCHS[cls.name] = cls
+    return cls
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor the architecture reads: GGUF name, numpy-order shape, whether it must exist."""
+
+    name: str
+    shape: tuple[int, ...]
+    required: bool = True
+
+
+class ArchError(ValueError):
+    """A model whose metadata or tensors do not fit its architecture."""
+
+
+class Architecture:
+    """Subclasses set `name` and `rope_type`, list their tensors, and build the graph."""
+
+    name: ClassVar[str]
+    rope_type: ClassVar[int] = ROPE_NORM
+
+    def load_hparams(self, f, hp: HParams) -> None:
+        """Arch-specific keys and checks (load_arch_hparams); the default needs an rms eps."""
+
+    def tensor_specs(self, hp: HParams) -> list[TensorSpec]:
+        raise NotImplementedError
+
+    def build(self, g) -> None:
+        """Build the decoder graph on a GraphContext `g`."""
+        raise NotImplementedError
+
+
+def decoder_specs(hp: HParams, *, qkv_bias: bool = False, qk_norm: bool = False) -> list[TensorSpec]:
+    """The tensors of a llama-style decoder (llama.cpp load_arch_tensors for llama/qwen2/qwen3)."""
+    e, v = hp.n_embd, hp.n_vocab
+    specs = [TensorSpec("token_embd.weight", (v, e)), TensorSpec("output_norm.weight", (e,)),
+             TensorSpec("output.weight", (v, e), required=False)]
+    for il in range(hp.n_layer):
+        p = f"blk.{il}."
+        n_q = hp.n_embd_head_k * hp.n_head(il)
+        specs += [
+            TensorSpec(p + "attn_norm.weight", (e,)),
+            TensorSpec(p + "attn_q.weight", (n_q, e)),
+            TensorSpec(p + "attn_k.weight", (hp.n_embd_k_gqa(il), e)),
+            TensorSpec(p + "attn_v.weight", (hp.n_embd_v_gqa(il), e)),
+            TensorSpec(p + "attn_output.weight", (e, hp.n_embd_head_v * hp.n_head(il))),
+            TensorSpec(p + "ffn_norm.weight", (e,)),
+            TensorSpec(p + "ffn_gate.weight", (hp.n_ff(il), e)),
+            TensorSpec(p + "ffn_up.weight", (hp.n_ff(il), e)),
+            TensorSpec(p + "ffn_down.weight", (e, hp.n_ff(il))),
+        ]
+        specs += [TensorSpec(p + f"attn_{x}.bias", (n,), required=qkv_bias)
+                  for x, n in (("q", n_q), ("k", hp.n_embd_k_gqa(il)), ("v", hp.n_embd_v_gqa(il)))]
+        specs.append(TensorSpec(p + "attn_output.bias", (e,), required=False))
+        if qk_norm:
+            specs += [TensorSpec(p + "attn_q_norm.weight", (hp.n_embd_head_k,)),
+                      TensorSpec(p + "attn_k_norm.weight", (hp.n_embd_head_k,))]
+    specs.append(TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), required=False))
+    return specs
+
+
+def require_rms_eps(f, hp: HParams) -> None:
+    if f.get(f"{hp.arch}.attention.layer_norm_rms_epsilon") is None:
+        raise ArchError(f"{f.path}: required key {hp.arch}.attention.layer_norm_rms_epsilon is missing")
+
+
+__all__ = ["ARCHS", "ROPE_NEOX", "ROPE_NORM", "ArchError", "Architecture", "TensorSpec", "decoder_specs",
+           "register_arch", "require_rms_eps"]

@@ -1,0 +1,49 @@
+"""llama (llama 2/3, mistral, SmolLM; GQA or MHA): NORM rope, as llama.cpp's src/models/llama.cpp."""
+
+from __future__ import annotations
+
+import math
+
+from llamir.frontend.arch.base import ROPE_NORM, Architecture, ArchError, decoder_specs, register_arch, \
+    require_rms_eps
+
+
+@register_arch
+class Llama(Architecture):
+    name = "llama"
+    rope_type = ROPE_NORM
+
+    def load_hparams(self, f, hp) -> None:
+        require_rms_eps(f, hp)
+        if hp.n_rot != hp.n_embd_head_k:
+            raise ArchError(f"invalid n_rot: {hp.n_rot}, expected {hp.n_embd_head_k}")
+
+    def tensor_specs(self, hp):
+        return decoder_specs(hp)
+
+    def build(self, g) -> None:
+        hp, b = g.hp, g.b
+        head_dim = hp.n_embd_head_v
+        kq_scale = hp.f_attention_scale or 1.0 / math.sqrt(head_dim)
+        rope_factors = g.w_opt("rope_freqs.weight")
+        x = g.inp_embd()                                                               # [T, E]
+        out_ids = g.inp_out_ids()                                                      # [n_out]
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            residual = x
+            cur = g.norm(x, g.w(p + "attn_norm.weight"), name=("attn_norm", il))      # [T, E]
+            q, k, v = g.qkv(il, cur)                                                   # [T, H(kv), d]
+            q = g.rope(q, self.rope_type, il, rope_factors, name=("Qcur", il))
+            k = g.rope(k, self.rope_type, il, rope_factors, name=("Kcur", il))
+            cur = g.attn(il, q, k, v, g.w(p + "attn_output.weight"), g.w_opt(p + "attn_output.bias"),
+                         kq_scale)                                                     # [T, E]
+            if il == hp.n_layer - 1:  # only the rows that produce outputs go on
+                cur = b.get_rows(cur, out_ids)                                        # [n_out, E]
+                residual = b.get_rows(residual, out_ids)
+            x = b.add(cur, residual, name=("ffn_inp", il))
+            cur = g.norm(x, g.w(p + "ffn_norm.weight"), name=("ffn_norm", il))
+            cur = g.ffn(cur, g.w(p + "ffn_up.weight"), g.w(p + "ffn_gate.weight"), g.w(p + "ffn_down.weight"),
+                        act="silu", il=il)
+            x = b.add(cur, x, name=("l_out", il))
+        hidden = g.norm(x, g.w("output_norm.weight"))                                 # [n_out, E]
+        g.finish(hidden, b.mul_mat(g.output_weight(), hidden))                        # [n_out, V]

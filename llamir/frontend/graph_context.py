@@ -1,0 +1,211 @@
+"""GraphContext: what an architecture file builds with (llama.cpp's llm_graph_context).
+
+It owns the GraphBuilder, resolves weights by their GGUF names, creates the graph inputs
+(tokens, positions, output ids, KV indices and mask) and offers the shared building blocks:
+norm, qkv, rope, attention over the KV cache, ffn. Per-batch sizes stay symbolic:
+T (tokens in the ubatch), n_kv (KV cells attended) and n_out (rows that produce outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llamir.frontend.graph_kv import KVLayout, KVGraph
+from llamir.frontend.hparams import HParams
+from llamir.ir import F16, F32, I32, GraphBuilder, Node, ops, sym
+from llamir.ir.builder import Name
+
+DIM_NAMES = ("T", "n_kv", "n_out")
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """The context-level rope settings (llama_cparams) a graph is built with."""
+
+    n_ctx_orig: int
+    freq_base: float
+    freq_scale: float
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    @classmethod
+    def resolve(cls, hp: HParams, freq_base: float = 0.0, freq_scale: float = 0.0, scaling_type: str = "",
+                ext_factor: float = -1.0, attn_factor: float = -1.0, beta_fast: float = -1.0,
+                beta_slow: float = -1.0, n_ctx_orig: int = 0) -> RopeParams:
+        """llama_context's resolution of the rope cparams: 0 / negative / "" mean "the model's"."""
+        import math
+
+        freq_base = freq_base or hp.rope_freq_base_train
+        freq_scale = freq_scale or hp.rope_freq_scale_train
+        scaling_type = scaling_type or hp.rope_scaling_type_train
+        ext = ext_factor if ext_factor >= 0 else hp.yarn_ext_factor
+        attn = attn_factor if attn_factor >= 0 else hp.yarn_attn_factor
+        if scaling_type == "none":
+            freq_scale = 1.0  # never scale if scaling type is none
+        if ext < 0:
+            ext = 1.0 if scaling_type == "yarn" else 0.0
+        if ext != 0:
+            def get_mscale(scale: float, mscale: float) -> float:
+                return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+            factor = 1.0 / freq_scale
+            if hp.yarn_log_mul != 0.0:
+                mscale = hp.yarn_log_mul if hp.arch == "deepseek2" and hp.yarn_log_mul != 1.0 else 1.0
+                attn = get_mscale(factor, mscale) / get_mscale(factor, hp.yarn_log_mul)
+            else:
+                attn = get_mscale(factor, 1.0)
+            attn *= 1.0 / (1.0 + 0.1 * math.log(factor))  # cancels the kernel's own mscale
+        attn *= hp.rope_attn_factor
+        return cls(n_ctx_orig=n_ctx_orig or hp.n_ctx_orig_yarn or hp.n_ctx_train, freq_base=freq_base,
+                   freq_scale=freq_scale, ext_factor=ext, attn_factor=attn,
+                   beta_fast=beta_fast if beta_fast >= 0 else hp.yarn_beta_fast,
+                   beta_slow=beta_slow if beta_slow >= 0 else hp.yarn_beta_slow)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Everything besides the model that shapes the graph (a subset of llm_graph_params)."""
+
+    kv: KVLayout | None
+    rope: RopeParams
+    flash_attn: bool = False
+    causal_attn: bool = True
+    input_kind: str = "tokens"   # "tokens" or "embd"
+    embeddings: bool = False     # also output the final hidden state (t_embd)
+
+
+@dataclass
+class GraphOutputs:
+    logits: Node | None = None
+    embd: Node | None = None
+    extra: dict[str, Node] = field(default_factory=dict)
+
+
+class GraphContext:
+    """One graph under construction for one model and one GraphConfig."""
+
+    def __init__(self, model, config: GraphConfig):
+        self.model = model
+        self.hp: HParams = model.hparams
+        self.config = config
+        self.b = GraphBuilder(model.hparams.arch, DIM_NAMES)
+        self.T, self.n_kv, self.n_out = (sym(d) for d in DIM_NAMES)
+        self._weights: dict[str, Node] = {}
+        self._pos: Node | None = None
+        self.kv = KVGraph(self.b, self.hp, config.kv, self.T, self.n_kv, config.flash_attn) if config.kv else None
+
+    # -- weights ------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return self.model.has_tensor(name)
+
+    def w(self, name: str) -> Node:
+        """The weight leaf of GGUF tensor `name` (created on first use)."""
+        if name not in self._weights:
+            t = self.model.tensor(name)
+            self._weights[name] = self.b.weight(name, t.shape, t.dtype)
+        return self._weights[name]
+
+    def w_opt(self, name: str) -> Node | None:
+        return self.w(name) if self.has(name) else None
+
+    def output_weight(self) -> Node:
+        """output.weight, or token_embd.weight when the output is tied (llama.cpp duplicates it)."""
+        return self.w("output.weight") if self.has("output.weight") else self.w("token_embd.weight")
+
+    # -- inputs -------------------------------------------------------------------------------
+    def inp_embd(self) -> Node:
+        """Token embeddings [T, n_embd]: get_rows of token_embd, or the caller's vectors."""
+        if self.config.input_kind == "embd":
+            return self.b.input("inp_embd", [self.T, self.hp.n_embd], F32)
+        tokens = self.b.input("inp_tokens", [self.T], I32)
+        return self.b.get_rows(self.w("token_embd.weight"), tokens, name="inp_embd")
+
+    def inp_pos(self) -> Node:
+        if self._pos is None:
+            self._pos = self.b.input("inp_pos", [self.T], I32)
+        return self._pos
+
+    def inp_out_ids(self) -> Node:
+        """Always present (even when every token outputs) so the topology never changes."""
+        return self.b.input("inp_out_ids", [self.n_out], I32)
+
+    # -- blocks -------------------------------------------------------------------------------
+    def norm(self, x: Node, weight: Node | None, bias: Node | None = None, kind: str = "rms",
+             il: int = -1, name: Name = None) -> Node:
+        """build_norm: rms_norm or norm, then * weight, + bias."""
+        if kind == "rms":
+            cur = self.b.rms_norm(x, self.hp.f_norm_rms_eps)
+        else:
+            cur = self.b.norm(x, self.hp.f_norm_eps)
+        if weight is not None:
+            cur = self.b.mul(cur, weight)
+        if bias is not None:
+            cur = self.b.add(cur, bias)
+        return self.b.name(cur, name) if name else cur
+
+    def linear(self, weight: Node, x: Node, bias: Node | None = None, name: Name = None) -> Node:
+        """x @ weight.T (+ bias): build_lora_mm without adapters."""
+        cur = self.b.mul_mat(weight, x)
+        if bias is not None:
+            cur = self.b.add(cur, bias)
+        return self.b.name(cur, name) if name else cur
+
+    def qkv(self, il: int, x: Node) -> tuple[Node, Node, Node]:
+        """build_qkv: separate q/k/v projections (+ optional biases), as [T, heads, head_dim]."""
+        hp, p = self.hp, f"blk.{il}."
+        q = self.linear(self.w(p + "attn_q.weight"), x, self.w_opt(p + "attn_q.bias"))
+        k = self.linear(self.w(p + "attn_k.weight"), x, self.w_opt(p + "attn_k.bias"))
+        v = self.linear(self.w(p + "attn_v.weight"), x, self.w_opt(p + "attn_v.bias"))
+        q = self.b.reshape(q, self.T, hp.n_head(il), hp.n_embd_head_k, name=("Qcur", il))        # [T, H, d]
+        k = self.b.reshape(k, self.T, hp.n_head_kv(il), hp.n_embd_head_k, name=("Kcur", il))     # [T, Hkv, d]
+        v = self.b.reshape(v, self.T, hp.n_head_kv(il), hp.n_embd_head_v, name=("Vcur", il))     # [T, Hkv, dv]
+        return q, k, v
+
+    def rope(self, x: Node, mode: int, il: int, freq_factors: Node | None = None, name: Name = None) -> Node:
+        r = self.config.rope
+        return self.b.rope_ext(x, self.inp_pos(), freq_factors, n_dims=self.hp.n_rot, mode=mode,
+                               n_ctx_orig=r.n_ctx_orig, freq_base=r.freq_base, freq_scale=r.freq_scale,
+                               ext_factor=r.ext_factor, attn_factor=r.attn_factor, beta_fast=r.beta_fast,
+                               beta_slow=r.beta_slow, name=name)
+
+    def attn(self, il: int, q: Node, k: Node, v: Node, wo: Node, wo_b: Node | None, kq_scale: float) -> Node:
+        """build_attn with the KV cache: store k/v, attend over n_kv cells, project with wo."""
+        if self.kv is None:
+            raise ValueError("this graph has no KV cache; build it with a KVLayout")
+        cur = self.kv.attend(il, q, k, v, kq_scale, max_bias=self.hp.f_max_alibi_bias,
+                             softcap=self.hp.f_attn_logit_softcapping)                   # [T, H*dv]
+        return self.linear(wo, cur, wo_b)
+
+    def ffn(self, x: Node, up: Node, gate: Node | None, down: Node, act: str = "silu",
+            il: int = -1, up_b: Node | None = None, gate_b: Node | None = None,
+            down_b: Node | None = None) -> Node:
+        """build_ffn with a parallel gate: down(act(gate(x)) * up(x)); no gate: down(act(up(x)))."""
+        tmp = self.linear(up, x, up_b, name=("ffn_up", il))
+        if gate is not None:
+            g = self.linear(gate, x, gate_b, name=("ffn_gate", il))
+            glu = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}[act]
+            cur = self.b.glu(glu, g, tmp, name=("ffn_" + glu, il))
+        else:
+            cur = self.b.unary(act, tmp, name=("ffn_" + act, il))
+        return self.linear(down, cur, down_b, name=("ffn_out", il))
+
+    def finish(self, hidden: Node, logits: Node | None) -> GraphOutputs:
+        """Register the outputs: t_embd ("result_norm") and t_logits ("result_output")."""
+        self.b.name(hidden, "result_norm")
+        if self.config.embeddings:
+            self.b.output("embd", hidden)
+        if logits is not None:
+            self.b.name(logits, "result_output")
+            self.b.output("logits", logits)
+        return GraphOutputs(logits=logits, embd=hidden)
+
+
+def mask_dtype(flash_attn: bool):
+    """Flash attention takes an f16 mask; the soft_max path an f32 one."""
+    return F16 if flash_attn else F32
+
+
+__all__ = ["DIM_NAMES", "GraphConfig", "GraphContext", "GraphOutputs", "KVLayout", "RopeParams", "mask_dtype",
+           "ops"]
