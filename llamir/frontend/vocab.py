@@ -113,11 +113,10 @@ class Vocab:
             raise ValueError("cannot find tokenizer merges (tokenizer.ggml.merges) in a BPE vocab")
         if not isinstance(merges, Sequence) or not all(isinstance(m, str) for m in merges[:16]):
             raise ValueError("invalid gguf type for tokenizer.ggml.merges: expected an array of strings")
-        ranks: dict[str, int] = {}
-        for rank, merge in enumerate(merges):
-            # "a b" split at the first space after the first byte; the first entry of a pair wins
-            if merge.find(" ", 1) != -1:
-                ranks.setdefault(merge, rank)
+        # keyed "left right": llama.cpp splits at the first space after the first byte, and the
+        # symbols it looks up never hold a space, so the joined text is an exact key; the first
+        # of two equal merges wins (unordered_map::emplace), hence the reversed fill
+        ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
         return ranks
 
     def _read_flags(self, meta: Mapping[str, Any]) -> None:

@@ -60,47 +60,48 @@ def iteration_order(keys: Sequence[bytes]) -> list[int]:
     first: dict[bytes, int] = {}
     for i, k in enumerate(keys):
         first.setdefault(k, i)
-    inserted = list(first.values())
-    hashes = hash_bytes([keys[i] for i in inserted])
-    # buckets: bucket -> members (front of the bucket last); order: buckets, front of list last
-    buckets: dict[int, list[int]] = {}
-    order: list[int] = []
-    capacity, stage, bucket_of = 0, 0, []
-    for n in range(len(inserted)):
-        if n + 1 > capacity:  # rehash before inserting; the empty map rehashes on its first insert
-            capacity = BUCKET_COUNTS[stage]
-            stage += 1
-            bucket_of = (hashes % np.uint64(capacity)).tolist()
-            buckets, order = _rehash(_walk(buckets, order), bucket_of)
-        b = bucket_of[n]
-        if b in buckets:
-            buckets[b].append(n)
-        else:
-            buckets[b] = [n]
-            order.append(b)
-    return [inserted[n] for n in _walk(buckets, order)]
+    inserted = np.fromiter(first.values(), dtype=np.int64, count=len(first))
+    hashes = hash_bytes([keys[i] for i in inserted.tolist()])
+    order = np.zeros(0, dtype=np.int64)   # the list, as indices into `inserted`
+    lo = 0
+    for capacity in BUCKET_COUNTS:
+        hi = min(capacity, len(inserted))
+        order = _insert(_rehash(order, hashes, capacity), np.arange(lo, hi), hashes, capacity)
+        lo = hi
+        if lo == len(inserted):
+            return inserted[order].tolist()
+    raise ValueError(f"{len(inserted)} keys are more than this emulation of unordered_map handles")
 
 
-def _walk(buckets: dict[int, list[int]], order: list[int]) -> Iterable[int]:
-    for b in reversed(order):
-        yield from reversed(buckets[b])
+def _first_positions(buckets: np.ndarray, n_buckets: int) -> np.ndarray:
+    """Per bucket, the list position of its first node (-1 when empty)."""
+    first = np.full(n_buckets, -1, dtype=np.int64)
+    present, index = np.unique(buckets, return_index=True)
+    first[present] = index
+    return first
 
 
-def _rehash(walk: Iterable[int], bucket_of: list[int]) -> tuple[dict[int, list[int]], list[int]]:
-    """_M_rehash_aux: walk the old list, putting each node at the front of its new bucket."""
-    buckets: dict[int, list[int]] = {}
-    order: list[int] = []
-    for n in walk:
-        b = bucket_of[n]
-        if b in buckets:
-            buckets[b].append(n)
-        else:
-            buckets[b] = [n]
-            order.append(b)
-    return buckets, order
+def _rehash(order: np.ndarray, hashes: np.ndarray, n_buckets: int) -> np.ndarray:
+    """_M_rehash_aux walks the list putting each node at the front of its new bucket, and a node
+    opening a bucket at the front of the list: buckets end up in reverse order of their first
+    node, and each bucket's nodes reversed."""
+    buckets = (hashes[order] % np.uint64(n_buckets)).astype(np.int64)
+    first = _first_positions(buckets, n_buckets)
+    pos = np.arange(len(order))
+    return order[np.lexsort((-pos, -first[buckets]))]
 
 
-def first_in_map_order(keys: Sequence[bytes], candidates: Iterable[int]) -> int:
-    """The candidate index (into `keys`) an unordered_map scan meets first."""
-    wanted = set(candidates)
-    return next(i for i in iteration_order(keys) if i in wanted)
+def _insert(order: np.ndarray, new: np.ndarray, hashes: np.ndarray, n_buckets: int) -> np.ndarray:
+    """Insert `new` one by one: into the front of its bucket, or, opening a bucket, at the front
+    of the list. Sort key: bucket rank (new buckets first, latest first), then node rank."""
+    old_buckets = (hashes[order] % np.uint64(n_buckets)).astype(np.int64)
+    new_buckets = (hashes[new] % np.uint64(n_buckets)).astype(np.int64)
+    first = _first_positions(old_buckets, n_buckets)
+    opened = np.zeros(n_buckets, dtype=np.int64)
+    present, index = np.unique(new_buckets, return_index=True)
+    opened[present] = index
+    t = np.arange(len(new))
+    bucket_rank = np.concatenate([first[old_buckets],
+                                  np.where(first[new_buckets] >= 0, first[new_buckets], -(opened[new_buckets] + 1))])
+    node_rank = np.concatenate([np.arange(len(order)), -(t + 1)])
+    return np.concatenate([order, new])[np.lexsort((node_rank, bucket_rank))]
