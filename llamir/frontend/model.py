@@ -100,10 +100,7 @@ def load_model(path: str | Path, vocab_only: bool = False) -> Model:
 def _load_vocab(f: GGUFFile):
     if "tokenizer.ggml.model" not in f.metadata:
         return None
-    try:
-        from llamir.frontend.vocab import Vocab
-    except ImportError:  # TEMP until the tokenizer lands
-        return None
+    from llamir.frontend.vocab import Vocab
 
     try:
         return Vocab.from_metadata(f.metadata)

@@ -80,9 +80,12 @@ class Interpreter:
                 if node.op.is_view:
                     out = self._view(node, args[0], roots[id(node.inputs[0])], bindings)
                     roots[id(node)] = roots[id(node.inputs[0])]
-                else:
+                elif node.op.has_side_effects:
                     out = KERNELS[type(node.op)](self.ctx, node, args, bindings)
-                    roots[id(node)] = roots[id(node.inputs[0])] if node.op.has_side_effects else out
+                    roots[id(node)] = roots[id(node.inputs[0])]
+                else:  # a computed value owns fresh, C-contiguous memory, as a ggml tensor does
+                    out = np.ascontiguousarray(KERNELS[type(node.op)](self.ctx, node, args, bindings))
+                    roots[id(node)] = out
             except (IRError, InterpError):
                 raise
             except (ValueError, IndexError, KeyError, TypeError) as err:

@@ -142,10 +142,16 @@ _UNARY: dict[type, Callable] = {
 }
 
 
+_EXACT_FOR_BF16 = {ops.Gelu: _gelu_f32, ops.GeluQuick: lambda x: x * _sigmoid(f32(1.702) * x)}
+
+
 @kernel(*_UNARY)
 def _unary(ctx, node, args, bindings):
+    fn = _UNARY[type(node.op)]
+    if _in(node, 0) == BF16:  # ggml's bf16 gelus compute in f32, without the f16 tables
+        fn = _EXACT_FOR_BF16.get(type(node.op), fn)
     with np.errstate(all="ignore"):
-        y = _UNARY[type(node.op)](to_f32(args[0], _in(node, 0)))
+        y = fn(to_f32(args[0], _in(node, 0)))
     return from_f32(np.asarray(y, dtype=f32), node.dtype)
 
 
@@ -161,8 +167,8 @@ def _glu(ctx, node, args, bindings):
     else:
         half = x.shape[-1] // 2
         a, b = x[..., :half], x[..., half:]
-    if node.op.swapped:
-        a, b = b, a
+        if node.op.swapped:  # only the fused form has halves to swap
+            a, b = b, a
     with np.errstate(all="ignore"):
         y = _GLU_ACT[type(node.op)](a) * b
     return from_f32(y, node.dtype)

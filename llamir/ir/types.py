@@ -53,7 +53,7 @@ class TensorType:
 
     def contiguous_strides(self) -> tuple[Dim, ...]:
         """Byte strides of the row-major layout (ggml's nb[], reversed)."""
-        strides: list[Dim] = [self.dtype.type_size if self.dtype.block_size == 1 else 0]
+        strides: list[Dim] = [self.dtype.type_size]  # ggml's nb[0]: one element, or one block
         acc: Dim = self.row_bytes
         for d in reversed(self.shape[:-1]):
             strides.append(acc)

@@ -27,8 +27,9 @@ class View(Op):
     def infer(self, x: TensorType) -> TensorType:
         require(len(self.strides) == len(self.shape), f"{len(self.shape)} dims but {len(self.strides)} strides")
         out = TensorType(tuple(self.shape), x.dtype)
-        require(self.strides[-1] == (x.dtype.type_size if x.dtype.block_size == 1 else out.row_bytes),
-                f"the last stride must be the element size, got {self.strides[-1]}")
+        require(self.strides[-1] == x.dtype.type_size,
+                f"the last stride must be the element (or block) size {x.dtype.type_size}, "
+                f"got {self.strides[-1]}")
         return out
 
 
@@ -103,8 +104,9 @@ class Cpy(Op):
 
     def infer(self, x: TensorType) -> TensorType:
         require(self.dtype is not None, "cpy needs a target dtype")
-        require(x.dtype.is_float == self.dtype.is_float or x.dtype == self.dtype or x.dtype.is_float,
-                f"cannot convert {x.dtype} to {self.dtype}")
+        src, dst = x.dtype, self.dtype
+        ok = src == dst or not (src.is_quantized and dst.is_int or src.is_int and dst.is_quantized)
+        require(ok, f"cannot convert {src} to {dst}")
         if self.dtype.is_quantized:
             require(isinstance(x.shape[-1], int) and x.shape[-1] % self.dtype.block_size == 0,
                     f"{x} rows are not whole {self.dtype} blocks")

