@@ -232,8 +232,6 @@ def _bf16_round_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-@pytest.mark.xfail(strict=True, reason="interp_kernels._gelu_table is used for bf16 inputs too, but "
-                   "ggml's ggml_vec_gelu_bf16 computes gelu exactly in f32 (no f16 table)")
 def test_gelu_bf16_is_exact_f32_gelu_rounded_to_bf16():
     from llamir.ir import BF16
 
@@ -328,8 +326,6 @@ def test_glu_fused_through_a_strided_view():
     np.testing.assert_allclose(got, x[:, :4] * _sigmoid(x[:, :4]) * x[:, 4:], rtol=3e-6, atol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, reason="interp_kernels._glu swaps a and b in the split form too; ggml "
-                   "(and the Glu docstring) only apply `swapped` to the fused halves")
 def test_glu_split_form_ignores_swapped():
     a, up = _glu_inputs((2, 6), 13), _glu_inputs((2, 6), 14)
     g = GraphBuilder("t")
