@@ -30,8 +30,12 @@ def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool
         a32 = _cached(ctx, a, a_dtype, "f32", lambda: to_f32(a, a_dtype)) if cacheable else to_f32(a, a_dtype)
         b_round = b.astype(np.float16).astype(f32) if a_dtype == F16 else to_f32(from_f32(b, BF16), BF16)
         return b_round @ a32.T
-    from llamir.ir import quants
+    from llamir.ir import quants, quants_x86
 
+    if a_dtype.name in quants_x86.EXACT_TYPES:
+        w = _cached(ctx, a, a_dtype, "x86", lambda: quants_x86.prepare(a, a_dtype)) if cacheable \
+            else quants_x86.prepare(a, a_dtype)
+        return quants_x86.mul_mat_exact(w, a_dtype, b)
     if not cacheable or ctx.weight_cache is None:
         return quants.mul_mat_ggml(a, a_dtype, b)
     weight, mins = _cached(ctx, a, a_dtype, "prepared", lambda: quants.prepare_weight(a, a_dtype))
