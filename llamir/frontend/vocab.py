@@ -457,13 +457,12 @@ class Vocab:
         Fragments are token ids or (start, end) byte ranges of text still to tokenize; a special
         token with lstrip/rstrip also swallows the C-locale whitespace beside it."""
         fragments: list[int | tuple[int, int]] = [(0, len(raw))]
-        for token in self._special_tokens:
-            attr = self._attrs[token]
+        texts, attrs = self._token_bytes, self._attrs
+        for token in [t for t in self._special_tokens if texts[t] in raw]:
+            attr = attrs[token]
             if not parse_special and attr & _SPECIAL:
                 continue  # only user-defined tokens match when not parsing special tokens
-            needle = self._token_bytes[token]
-            if not any(not isinstance(f, int) and raw.find(needle, f[0], f[1]) >= 0 for f in fragments):
-                continue
+            needle = texts[token]
             result: list[int | tuple[int, int]] = []
             for frag in fragments:
                 if isinstance(frag, int):

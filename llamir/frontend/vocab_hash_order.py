@@ -9,7 +9,7 @@ goes to the front of its bucket, or of the whole list when the bucket was empty.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -101,7 +101,7 @@ def _insert(order: np.ndarray, new: np.ndarray, hashes: np.ndarray, n_buckets: i
     present, index = np.unique(new_buckets, return_index=True)
     opened[present] = index
     t = np.arange(len(new))
-    bucket_rank = np.concatenate([first[old_buckets],
-                                  np.where(first[new_buckets] >= 0, first[new_buckets], -(opened[new_buckets] + 1))])
+    new_rank = np.where(first[new_buckets] >= 0, first[new_buckets], -(opened[new_buckets] + 1))
+    bucket_rank = np.concatenate([first[old_buckets], new_rank])
     node_rank = np.concatenate([np.arange(len(order)), -(t + 1)])
     return np.concatenate([order, new])[np.lexsort((node_rank, bucket_rank))]

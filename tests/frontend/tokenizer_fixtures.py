@@ -1,0 +1,156 @@
+"""Shared helpers of the tokenizer tests: llama.cpp's vocab-only GGUF files and their test vectors,
+fetched once into the llamir cache; cached Vocab loads; llama-cpp-python as the oracle.
+
+The vocab files ship in the llama-cpp-python sdist (vendor/llama.cpp/models/ggml-vocab-*), so a
+fresh machine gets them with `pip download`; only those members are extracted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from llamir.frontend.vocab import Vocab
+from llamir.paths import cache_dir
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+VOCAB_MEMBER = "/vendor/llama.cpp/models/ggml-vocab-"
+
+# vocab files of llama.cpp's tree with .inp/.out vectors, and those without
+WITH_VECTORS = ["bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2",
+                "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
+WITHOUT_VECTORS = ["aquila", "baichuan", "gpt-neox"]
+UNSUPPORTED = {"nomic-bert-moe": "t5"}   # file -> tokenizer model we do not port
+LARGE = {"command-r", "gemma-4", "llama-bpe", "qwen2", "qwen35"}   # vocabs of 128k+ tokens
+
+
+class VocabFilesUnavailable(RuntimeError):
+    """The llama.cpp vocab files could not be fetched."""
+
+
+@functools.cache
+def vocab_files_dir() -> Path:
+    """The directory of ggml-vocab-* files, downloading and extracting them on first use."""
+    target = cache_dir() / "llama-vocab" / LLAMA_CPP_PYTHON.split("==")[1]
+    if (target / ".complete").exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               LLAMA_CPP_PYTHON, "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        sdists = list(Path(tmp).glob("*.tar.gz"))
+        if done.returncode != 0 or not sdists:
+            raise VocabFilesUnavailable(
+                f"`{' '.join(cmd)}` failed with exit status {done.returncode}:\n{done.stderr[-2000:]}")
+        staging = Path(tmp) / "vocab"
+        staging.mkdir()
+        with tarfile.open(sdists[0]) as tar:
+            for member in tar:
+                if VOCAB_MEMBER in member.name and member.isfile():
+                    name = Path(member.name).name           # flat: never trust member paths
+                    with tar.extractfile(member) as src, open(staging / name, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+        if not list(staging.glob("ggml-vocab-*.gguf")):
+            raise VocabFilesUnavailable(f"{sdists[0].name} has no {VOCAB_MEMBER}* files")
+        (staging / ".complete").touch()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def vocab_path(name: str) -> Path:
+    return vocab_files_dir() / f"ggml-vocab-{name}.gguf"
+
+
+@functools.cache
+def load_vocab(path: Path) -> Vocab:
+    return Vocab.from_file(path)
+
+
+def read_vectors(path: Path) -> list[tuple[bytes, list[int]]]:
+    """The (input, expected ids) pairs of <vocab>.gguf.inp/.out, read as test-tokenizer-0.cpp does."""
+    raw = path.with_name(path.name + ".inp").read_bytes()
+    lines = path.with_name(path.name + ".out").read_bytes().split(b"\n")
+    sep = b"\n__ggml_vocab_test__\n"
+    inputs, pos = [], 0
+    while pos < len(raw):
+        nxt = raw.find(sep, pos)
+        if nxt < 0:
+            inputs.append(raw[pos:])
+            break
+        inputs.append(raw[pos:nxt])
+        pos = nxt + len(sep)
+    return [(text, [int(t) for t in line.split()]) for text, line in zip(inputs, lines, strict=False)]
+
+
+class Oracle:
+    """llama.cpp through llama-cpp-python: a vocab-only model and the raw C API."""
+
+    def __init__(self, path: Path):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+        self.n_tokens = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
+        return self.llm.tokenize(text, add_bos=add_special, special=parse_special)
+
+    def token_to_piece(self, token: int, lstrip: int = 0, special: bool = False) -> bytes:
+        size = 256
+        buf = ctypes.create_string_buffer(size)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, size, lstrip, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, -n, lstrip, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: list[int], remove_special: bool, unparse_special: bool) -> bytes:
+        """llama_detokenize itself (Llama.detokenize re-implements it in Python)."""
+        ids = (self.lib.llama_token * max(1, len(tokens)))(*tokens)
+        size = 64 + 16 * len(tokens)
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = self.lib.llama_detokenize(self.vocab, ids, len(tokens), buf, size,
+                                          remove_special, unparse_special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+        raise AssertionError("llama_detokenize asked for more room twice")
+
+    def special_ids(self) -> dict[str, int | bool]:
+        lib, v = self.lib, self.vocab
+        names = ["bos", "eos", "eot", "sep", "nl", "pad", "mask",
+                 "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep"]
+        ids: dict[str, int | bool] = {n: getattr(lib, f"llama_vocab_{n}")(v) for n in names}
+        for flag in ("add_bos", "add_eos", "add_sep"):
+            ids[flag] = bool(getattr(lib, f"llama_vocab_get_{flag}")(v))
+        return ids
+
+    def attr(self, token: int) -> int:
+        return self.lib.llama_vocab_get_attr(self.vocab, token)
+
+    def eog_ids(self) -> set[int]:
+        return {i for i in range(self.n_tokens) if self.lib.llama_vocab_is_eog(self.vocab, i)}
+
+
+@functools.cache
+def oracle(path: Path) -> Oracle:
+    return Oracle(path)
+
+
+def smollm2_path() -> Path | None:
+    """The default SmolLM2 GGUF, or None when llamir has no default-model module yet."""
+    try:
+        from llamir.frontend.default_model import default_model_path
+    except ImportError:
+        return None
+    return default_model_path(progress=False)
