@@ -327,6 +327,18 @@ def test_cpy_to_q8_0_with_exactly_representable_blocks():
     np.testing.assert_array_equal(blocks[:, 2:].view(np.int8), q)
 
 
+def test_cpy_q8_0_to_f32_dequantizes():
+    pytest.importorskip("llamir.ir.quants")
+    rng = np.random.default_rng(12)
+    d = rng.uniform(0.01, 2, (3, 2)).astype(f16)
+    q = rng.integers(-128, 128, (3, 2, 32)).astype(np.int8)
+    raw = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(3, 68)
+    g = GraphBuilder("t")
+    g.output("y", g.cast(g.weight("w", [3, 64], Q8_0), F32))
+    got = run_graph(g.graph, {"w": raw})["y"]
+    np.testing.assert_array_equal(got, (d.astype(f32)[..., None] * q.astype(f32)).reshape(3, 64))
+
+
 # -- concat, repeat ------------------------------------------------------------------------------
 @pytest.mark.parametrize("a_shape,b_shape,axis", [
     ((2, 3), (4, 3), 0), ((2, 3), (2, 5), 1), ((2, 3), (2, 1), -1), ((1, 2, 3), (1, 2, 4), 2),

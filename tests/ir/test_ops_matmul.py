@@ -146,6 +146,23 @@ def test_mul_mat_q8_0_random_activations_within_quantization_noise(nmse):
     assert nmse(got, b.astype(f64) @ a_values.T) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [F16, Q8_0])
+def test_mul_mat_with_weight_cache_matches_a_fresh_interpreter(dtype):
+    pytest.importorskip("llamir.ir.quants")
+    from llamir.ir.interp import Interpreter
+
+    rng = np.random.default_rng(30)
+    a = _rand((2, 64), 31, f16) if dtype == F16 else _q8_0_bytes(rng.uniform(0.01, 0.1, (2, 2)).astype(f16),
+                                                                 rng.integers(-127, 128, (2, 2, 32)))
+    g = GraphBuilder("t", dims=["T"])
+    g.output("y", g.mul_mat(g.weight("a", [2, 64], dtype), g.input("b", ["T", 64], F32)))
+    cached = Interpreter(cache_weights=True)
+    for n_tokens in (1, 3, 1):
+        b = _rand((n_tokens, 64), n_tokens)
+        fresh = run_graph(g.graph, {"a": a, "b": b}, {"T": n_tokens})["y"]
+        np.testing.assert_array_equal(cached.run(g.graph, {"a": a, "b": b}, {"T": n_tokens})["y"], fresh)
+
+
 # -- mul_mat_id ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_b", [1, 2])
 @pytest.mark.parametrize("n_tokens", [1, 3])
@@ -279,6 +296,24 @@ def test_set_rows_with_batch_axis_and_repeated_indices(idx_rows):
     for b2 in range(4):
         for n in range(2):
             want[b2, idx[b2 % idx_rows, n]] = src[b2, n]
+    np.testing.assert_array_equal(cache, want)
+
+
+def test_set_rows_rank_4_with_broadcast_index_batches():
+    """dst [B3, B2, R, C], idx [B3', B2', N]: batch (b3, b2) uses index row (b3 % B3', b2 % B2')."""
+    cache = _rand((2, 3, 5, 2), 27)
+    before = cache.copy()
+    src = _rand((2, 3, 2, 2), 28)
+    idx = np.array([[[4, 0]], [[1, 3]]], dtype=np.int32)            # [2, 1, 2]
+    g = GraphBuilder("t")
+    g.output("y", g.set_rows(g.state("cache", [2, 3, 5, 2], F32), g.input("src", [2, 3, 2, 2], F32),
+                             g.input("idx", [2, 1, 2], I32)))
+    run_graph(g.graph, {"cache": cache, "src": src, "idx": idx})
+    want = before.copy()
+    for b3 in range(2):
+        for b2 in range(3):
+            for n in range(2):
+                want[b3, b2, idx[b3 % 2, b2 % 1, n]] = src[b3, b2, n]
     np.testing.assert_array_equal(cache, want)
 
 
