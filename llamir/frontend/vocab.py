@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from llamir.frontend import unicode as uc
-from llamir.frontend.vocab_algos import BpeTokenizer, SpmTokenizer, WpmTokenizer
+from llamir.frontend.vocab_algos import (
+    BpeTokenizer,
+    SpmTokenizer,
+    WpmTokenizer,
+    clean_spaces,
+    decode_byte_level,
+    hex_prefix,
+)
 from llamir.frontend.vocab_hash_order import iteration_order
 from llamir.frontend.vocab_pre import PRE_TOKENIZERS, UNSUPPORTED_PRE, PreTokenizer
 from llamir.frontend.vocab_special import (
@@ -73,16 +80,16 @@ class Vocab:
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Vocab:
         """Build the vocab from GGUF metadata, as llama_vocab::impl::load does."""
-        vocab = cls.__new__(cls)
-        vocab._load(meta)
-        return vocab
+        return cls(meta)
 
     # ------------------------------------------------------------------ loading
 
-    def _load(self, meta: Mapping[str, Any]) -> None:
+    def __init__(self, meta: Mapping[str, Any]):
         model = meta.get("tokenizer.ggml.model")
         if model is None:
             raise ValueError("GGUF metadata has no tokenizer.ggml.model: the file has no vocabulary")
+        if not isinstance(model, str):
+            raise ValueError(f"tokenizer.ggml.model must be a string, got {type(model).__name__}")
         if model in _NOT_PORTED:
             raise ValueError(f"tokenizer model {model!r} is known to llama.cpp but not supported by llamir")
         if model not in _MODEL_TYPES:
@@ -91,8 +98,8 @@ class Vocab:
         self.pre = "gemma4" if model == "gemma4" else str(meta.get("tokenizer.ggml.pre", ""))
         self.chat_template = meta.get("tokenizer.chat_template")
         self._ids = dict.fromkeys(ID_KEYS, -1) | _DEFAULT_IDS[model]
-        self._ranks = self._read_merges(meta) if self.type == BPE else {}
         self._read_flags(meta)
+        self._ranks = self._read_merges(meta) if self.type == BPE else {}
         self._read_tokens(meta)
         self._tokenizer = self._make_tokenizer()
         self._ids["nl"] = self._find_linefeed()
@@ -509,11 +516,11 @@ class Vocab:
         if attr & ATTR_NORMAL:
             if self.type != BPE or self.escape_whitespaces:
                 return text.replace("\u2581", " ").encode("utf-8", "surrogatepass")
-            return _decode_byte_level(text)
+            return decode_byte_level(text)
         if attr & ATTR_BYTE:
             if self.type == WPM:
                 raise ValueError(f"token {token} is a byte token, which a WPM vocab cannot have")
-            return bytes([_hex_prefix(text[3:5])])
+            return bytes([hex_prefix(text[3:5])])
         return b""  # unused and undefined tokens have no text
 
     def detokenize_bytes(self, tokens: Sequence[int], remove_special: bool = False,
@@ -530,7 +537,7 @@ class Vocab:
             tokens = tokens[:-1]
         text = b"".join(self.token_to_piece(t, int(remove_space and i == 0), unparse_special)
                         for i, t in enumerate(tokens))
-        return _clean_spaces(text) if self.clean_spaces else text
+        return clean_spaces(text) if self.clean_spaces else text
 
     def detokenize(self, tokens: Sequence[int], remove_special: bool = False,
                    unparse_special: bool = False) -> str:
@@ -538,63 +545,3 @@ class Vocab:
         text = self.detokenize_bytes(tokens, remove_special, unparse_special)
         return text.decode("utf-8", errors="replace")
 
-
-def _hex_prefix(s: str) -> int:
-    """strtol(s, NULL, 16) for a two-character string: the leading hex digits, else 0."""
-    digits = ""
-    for c in s:
-        if c not in "0123456789abcdefABCDEF":
-            break
-        digits += c
-    return int(digits, 16) if digits else 0
-
-
-def _decode_byte_level(text: str) -> bytes:
-    """llama_decode_text: GPT-2 byte characters back to bytes; a character outside the byte
-    alphabet becomes "[UNK_BYTE_0x<hex>" + the whole token text + "]", as in llama.cpp."""
-    out = bytearray()
-    for ch in text:
-        byte = uc.UNICODE_TO_BYTE.get(ch)
-        if byte is not None:
-            out.append(byte)
-        else:
-            out += b"[UNK_BYTE_0x" + uc.encode_utf8(ch).hex().encode() + uc.encode_utf8(text) + b"]"
-    return bytes(out)
-
-
-def _clean_spaces(text: bytes) -> bytes:
-    """clean_up_tokenization_spaces, ported pass by pass from llama_vocab::impl::detokenize."""
-    buf = bytearray(text)
-    # 1: drop the space before ? ! . ,
-    total = 1 if buf else 0
-    for i in range(1, len(buf)):
-        x = buf[i]
-        if buf[i - 1] == 0x20 and x in b"?!.,":
-            total -= 1
-        buf[total] = x
-        total += 1
-    del buf[total:]
-    # 2: " ' " -> "'" (the next space is blanked in place and skipped)
-    n, total, i = len(buf), 1 if buf else 0, 1
-    while i < n:
-        x = buf[i]
-        if x == 0x27 and i + 1 < n and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
-            total -= 1
-            i += 1
-            buf[i] = 0
-        buf[total] = x
-        total += 1
-        i += 1
-    del buf[total:]
-    # 3: " 's" " 'm" " 're" " 've" lose their space (" 't" " 'd" " 'll" keep it)
-    n, total = len(buf), 1 if buf else 0
-    for i in range(1, n):
-        x = buf[i]
-        if buf[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
-            x1 = buf[i + 1]
-            if x1 in b"sm" or (x1 in b"rv" and i + 2 < n and buf[i + 2] == 0x65):
-                total -= 1
-        buf[total] = x
-        total += 1
-    del buf[total:]
-    return bytes(buf)

@@ -1,5 +1,6 @@
 """The three tokenizer algorithms of llama.cpp (llm_tokenizer_{spm,bpe,wpm}_session), one word
-or fragment at a time; `vocab.py` does the special-token partitioning around them.
+or fragment at a time, and the byte-level pieces of detokenizing; `vocab.py` does the
+special-token partitioning around them.
 """
 
 from __future__ import annotations
@@ -217,3 +218,64 @@ def _is_chinese_char(cpt: int) -> bool:
             or 0x2A700 <= cpt <= 0x2B73F or 0x2B740 <= cpt <= 0x2B81F
             or 0x2B920 <= cpt <= 0x2CEAF  # 0x2B820 in Unicode; llama.cpp follows HF's rust code
             or 0xF900 <= cpt <= 0xFAFF or 0x2F800 <= cpt <= 0x2FA1F)
+
+
+def hex_prefix(s: str) -> int:
+    """strtol(s, NULL, 16) for a two-character string: the leading hex digits, else 0."""
+    digits = ""
+    for c in s:
+        if c not in "0123456789abcdefABCDEF":
+            break
+        digits += c
+    return int(digits, 16) if digits else 0
+
+
+def decode_byte_level(text: str) -> bytes:
+    """llama_decode_text: GPT-2 byte characters back to bytes; a character outside the byte
+    alphabet becomes "[UNK_BYTE_0x<hex>" + the whole token text + "]", as in llama.cpp."""
+    out = bytearray()
+    for ch in text:
+        byte = uc.UNICODE_TO_BYTE.get(ch)
+        if byte is not None:
+            out.append(byte)
+        else:
+            out += b"[UNK_BYTE_0x" + uc.encode_utf8(ch).hex().encode() + uc.encode_utf8(text) + b"]"
+    return bytes(out)
+
+
+def clean_spaces(text: bytes) -> bytes:
+    """clean_up_tokenization_spaces, ported pass by pass from llama_vocab::impl::detokenize."""
+    buf = bytearray(text)
+    # 1: drop the space before ? ! . ,
+    total = 1 if buf else 0
+    for i in range(1, len(buf)):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x in b"?!.,":
+            total -= 1
+        buf[total] = x
+        total += 1
+    del buf[total:]
+    # 2: " ' " -> "'" (the next space is blanked in place and skipped)
+    n, total, i = len(buf), 1 if buf else 0, 1
+    while i < n:
+        x = buf[i]
+        if x == 0x27 and i + 1 < n and buf[i - 1] == 0x20 and buf[i + 1] == 0x20:
+            total -= 1
+            i += 1
+            buf[i] = 0
+        buf[total] = x
+        total += 1
+        i += 1
+    del buf[total:]
+    # 3: " 's" " 'm" " 're" " 've" lose their space (" 't" " 'd" " 'll" keep it)
+    n, total = len(buf), 1 if buf else 0
+    for i in range(1, n):
+        x = buf[i]
+        if buf[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            x1 = buf[i + 1]
+            if x1 in b"sm" or (x1 in b"rv" and i + 2 < n and buf[i + 2] == 0x65):
+                total -= 1
+        buf[total] = x
+        total += 1
+    del buf[total:]
+    return bytes(buf)
