@@ -1,0 +1,121 @@
+"""The `llamir` command line: each command against an independent computation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import llamir
+from llamir.cli import main
+from llamir.frontend.synth import SynthSpec, write_model
+from llamir.ir import parse_graph
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("cli") / "m.gguf", SynthSpec(arch="qwen3", n_layer=2, dtype="q8_0"))
+
+
+def test_logits_writes_every_position(model_path, tmp_path, capsys):
+    out = tmp_path / "logits.npy"
+    assert main(["logits", str(model_path), "--tokens", "5,6,7,8", "--out", str(out)]) == 0
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (4, 512)
+    model = llamir.load_model(model_path)
+    ctx = llamir.Context(model, n_ctx=512, flash_attn="off")
+    for i, t in enumerate([5, 6, 7, 8]):  # independent feeding: one token at a time
+        assert ctx.decode(llamir.Batch.from_tokens([t], pos0=i)) == 0
+        np.testing.assert_allclose(got[i], ctx.get_logits_ith(-1), atol=1e-4)
+
+
+def test_logits_rejects_bad_tokens(model_path, tmp_path, capsys):
+    assert main(["logits", str(model_path), "--tokens", "1,9999", "--out", str(tmp_path / "x.npy")]) == 1
+    assert "token id 9999 is out of range [0, 512)" in capsys.readouterr().err
+    assert main(["logits", str(model_path), "--tokens", "1,a", "--out", str(tmp_path / "x.npy")]) == 1
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_graph_prints_parseable_ir(model_path, capsys):
+    assert main(["graph", str(model_path)]) == 0
+    text = capsys.readouterr().out
+    graph = parse_graph(text)
+    assert graph.dim_names == ("T", "n_kv", "n_out") and "logits" in graph.outputs
+    assert main(["graph", str(model_path), "--n-tokens", "9"]) == 0
+    bound = parse_graph(capsys.readouterr().out)
+    assert bound.dim_names == () and bound.leaf("inp_tokens").type.shape == (9,)
+
+
+def test_tokenize_ids_is_a_json_list(model_path, capsys):
+    assert main(["tokenize", str(model_path), "Hello world", "--ids"]) == 0
+    ids = json.loads(capsys.readouterr().out)
+    assert ids == llamir.load_model(model_path).vocab.tokenize("Hello world", True, True)
+
+
+def test_tokenize_ids_matches_llama_cpp(model_path, capsys):
+    oracle = pytest.importorskip("llamir.testing.llama_cpp")
+    pytest.importorskip("llama_cpp")
+    text = "<|im_start|>user 12345  spaces\tand ünïcode<|im_end|>"
+    assert main(["tokenize", str(model_path), text, "--ids"]) == 0
+    with oracle.LlamaCppOracle(model_path, n_ctx=256) as o:
+        assert json.loads(capsys.readouterr().out) == o.tokenize(text, add_special=True, parse_special=True)
+
+
+def test_run_greedy_continues_the_prompt(model_path, capsys):
+    assert main(["run", str(model_path), "-p", "Hello", "-n", "5", "--temp", "0"]) == 0
+    printed = capsys.readouterr().out
+    model = llamir.load_model(model_path)
+    ctx = llamir.Context(model, n_ctx=2048, flash_attn="off")
+    tokens = model.vocab.tokenize("Hello", True, True)
+    assert ctx.decode(llamir.Batch.from_tokens(tokens)) == 0
+    out = []
+    for i in range(5):
+        t = int(np.argmax(ctx.get_logits_ith(-1)))
+        if model.vocab.is_eog(t):
+            break
+        out.append(t)
+        assert ctx.decode(llamir.Batch.from_tokens([t], pos0=len(tokens) + i)) == 0
+    assert printed == "Hello" + model.vocab.detokenize(out) + "\n"
+
+
+def test_run_seeded_sampling_is_reproducible(model_path, capsys):
+    args = ["run", str(model_path), "-p", "Hi", "-n", "6", "--temp", "0.9", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_chat_applies_the_template(model_path, monkeypatch, capsys):
+    import io
+
+    from llamir.cli import render_chat
+
+    model = llamir.load_model(model_path)
+    prompt = render_chat(model, [{"role": "user", "content": "hi"}])
+    assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in prompt
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    assert main(["chat", str(model_path), "-n", "4", "--temp", "0"]) == 0
+
+
+def test_missing_model_is_one_line_error(tmp_path, capsys):
+    assert main(["graph", str(tmp_path / "absent.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llamir: error: model file not found") and "Traceback" not in err
+
+
+def test_bad_gguf_is_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" * 10)
+    assert main(["tokenize", str(bad), "x"]) == 1
+    err = capsys.readouterr().err
+    assert "bad magic" in err and "Traceback" not in err
+
+
+def test_console_script_is_installed(model_path):
+    res = subprocess.run(["llamir", "tokenize", str(model_path), "abc", "--ids"], capture_output=True, text=True,
+                         check=True)
+    assert isinstance(json.loads(res.stdout), list)
