@@ -297,7 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text")
     p.add_argument("--ids", action="store_true", help="print only a JSON list of ids (like llama-tokenize --ids)")
     p.set_defaults(func=cmd_tokenize)
+    for module in EXTRA_COMMANDS:
+        import importlib
+
+        importlib.import_module(module).add_parser(sub)
     return parser
+
+
+# Commands that live in their own modules: each has add_parser(subparsers).
+EXTRA_COMMANDS = [m for m in ("llamir.cli_splits", "llamir.cli_bench")
+                  if __import__("importlib.util").util.find_spec(m) is not None]
 
 
 def main(argv: list[str] | None = None) -> int:

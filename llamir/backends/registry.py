@@ -17,7 +17,18 @@ def _numpy() -> Backend:
     return NumpyBackend()
 
 
-BUILTINS: dict[str, Callable[[], Backend]] = {"numpy": _numpy}
+def _lazy(module: str, cls: str) -> Callable[[], Backend]:
+    def make() -> Backend:
+        import importlib
+
+        return getattr(importlib.import_module(module), cls)()
+    return make
+
+
+BUILTINS: dict[str, Callable[[], Backend]] = {
+    "numpy": _numpy,
+    "llvm": _lazy("llamir.backends.llvm", "LLVMBackend"),
+}
 _plugins: dict[str, Callable[[], Backend]] | None = None
 
 
