@@ -1,6 +1,7 @@
 """Vocab against llama.cpp itself (llama-cpp-python 0.3.36, vocab_only): special ids, EOG set and
-token attributes, every piece, and tokenize/detokenize over a corpus of tricky strings, for each
-vocab of llama.cpp's tree and for the default SmolLM2 model.
+token attributes, pieces, and tokenize/detokenize over a corpus of tricky strings, for each vocab
+of llama.cpp's tree and for the default SmolLM2 model; and every pre-tokenizer on a synthetic
+byte-level vocab whose merges reveal where the text was split.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from tokenizer_fixtures import (
     oracle,
     smollm2_path,
     vocab_files_dir,
+    write_synthetic_bpe,
 )
 
 from llamir.frontend.vocab import Vocab
+from llamir.frontend.vocab_pre import PRE_TOKENIZERS
 from llamir.frontend.vocab_special import ATTR_NORMAL
 
 pytest.importorskip("llama_cpp")
@@ -122,3 +125,23 @@ def test_detokenize(pair: tuple[Vocab, Oracle]) -> None:
     assert not wrong, f"{len(wrong)} differ:\n" + "\n".join(wrong[:5])
     sample = llama.tokenize(b"Hello world", True, True)
     assert vocab.detokenize(sample) == llama.detokenize(sample, False, False).decode()
+
+
+PRE_KINDS = {}   # one tokenizer.ggml.pre name per distinct pre-tokenizer
+for _name, _spec in PRE_TOKENIZERS.items():
+    PRE_KINDS.setdefault(_spec.kind, _name)
+SYNTH_TEXTS = [s.encode("utf-8") for s in CORPUS] + BYTE_CORPUS
+
+
+@pytest.fixture(scope="module")
+def synthetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("synthetic_vocabs")
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_KINDS.values()))
+def test_pre_tokenizer_splits_like_llama_cpp(synthetic_dir: Path, pre: str) -> None:
+    path = write_synthetic_bpe(synthetic_dir / f"{pre}.gguf", pre, SYNTH_TEXTS)
+    vocab, llama = Vocab.from_file(path), Oracle(path)
+    wrong = [text for text in SYNTH_TEXTS for flags in ((False, False), (True, True))
+             if vocab.tokenize(text, *flags) != llama.tokenize(text, *flags)]
+    assert not wrong, f"{len(wrong)} texts split differently, first: {wrong[:3]}"

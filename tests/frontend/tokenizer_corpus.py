@@ -53,6 +53,7 @@ CORPUS: list[str] = [
     "\x00\x01\x07\x1b[31m control \x7f",
     "\ufffd replacement \U0010ffff max",
     "ᚠᛇᚻ runes ꓚ ꙮ",
+    "wait… what。 danda। urdu۔ comma، fullwidth，、",
     "Ⅻ ℃ ™ © ® ° ± × ÷ µ",
     "õ÷Áý deepseek bytes",
     # code-ish

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import random
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from llamir.frontend.unicode import BYTE_TO_UNICODE, byte_encode
 from llamir.frontend.vocab import Vocab
 from llamir.paths import cache_dir
 
@@ -154,3 +156,37 @@ def smollm2_path() -> Path | None:
     except ImportError:
         return None
     return default_model_path(progress=False)
+
+
+SYNTHETIC_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "</s>", "<s>"]
+
+
+def write_synthetic_bpe(path: Path, pre: str, texts: list[bytes]) -> Path:
+    """A byte-level BPE vocab for pre-tokenizer `pre`: the 256 byte tokens, a merge (in random
+    rank order) for every pair of adjacent bytes in `texts`, and a few control tokens. Pairs merge
+    only inside a word, so the ids show where the pre-tokenizer split the text."""
+    import gguf
+
+    spelled = [byte_encode(text.decode("utf-8", "replace")) for text in texts]
+    pairs = sorted({(s[i], s[i + 1]) for s in spelled for i in range(len(s) - 1)})
+    random.Random(0).shuffle(pairs)
+    tokens = [*BYTE_TO_UNICODE, *(a + b for a, b in pairs), *SYNTHETIC_SPECIALS]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(2048)          # the hparams llama.cpp insists on even for a vocab
+    writer.add_embedding_length(64)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - len(SYNTHETIC_SPECIALS)) + [3] * len(SYNTHETIC_SPECIALS))
+    writer.add_token_merges([f"{a} {b}" for a, b in pairs])
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - len(SYNTHETIC_SPECIALS))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
