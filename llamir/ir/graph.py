@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 from llamir.ir import dims, ops
 from llamir.ir.ops import IRError, Op
 from llamir.ir.types import TensorType
+
+
+_IDENT = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 class Node:
@@ -67,6 +71,8 @@ class Graph:
     """Leaves and nodes (topologically ordered), the symbolic dims, and named outputs."""
 
     def __init__(self, name: str = "graph", dim_names: Sequence[str] = ()):
+        if not _IDENT.fullmatch(name):
+            raise IRError(f"graph name {name!r} must match {_IDENT.pattern}")
         self.name = name
         self.dim_names: tuple[str, ...] = tuple(dim_names)
         self.leafs: list[Node] = []
@@ -92,6 +98,8 @@ class Graph:
         return node
 
     def set_output(self, name: str, node: Node) -> None:
+        if not _IDENT.fullmatch(name):
+            raise IRError(f"output name {name!r} must match {_IDENT.pattern}")
         self.outputs[name] = node
 
     def _check_dims(self, type: TensorType) -> None:

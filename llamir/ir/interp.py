@@ -40,7 +40,12 @@ def storage_dtype(dtype: DType) -> np.dtype:
 
 def check_value(node: Node, value: np.ndarray, bindings: Bindings) -> None:
     """Raise InterpError unless `value` has the storage form of `node`'s type."""
-    want = storage_shape(node.type.evaluate(bindings), node.dtype)
+    try:
+        want = storage_shape(node.type.evaluate(bindings), node.dtype)
+    except KeyError as err:
+        raise InterpError(f"{node.kind} {node.name!r} ({node.type}): {err.args[0]}") from None
+    if not isinstance(value, np.ndarray):
+        raise InterpError(f"{node.kind} {node.name!r}: expected a numpy array, got {type(value).__name__}")
     if tuple(value.shape) != want or value.dtype != storage_dtype(node.dtype):
         raise InterpError(f"{node.kind} {node.name!r}: expected {node.type} (storage {want} "
                           f"{storage_dtype(node.dtype)}), got {tuple(value.shape)} {value.dtype}")
@@ -62,7 +67,8 @@ class Interpreter:
         """Evaluate `graph`; returns its outputs by name. `observe(node, value)` is called after
         each named node (returning False stops evaluation, like ggml's eval callback)."""
         values = self.evaluate(graph, leaf_values, bindings or {}, observe)
-        return {name: values[id(node)] for name, node in graph.outputs.items()}
+        # after an observe() stop, only the outputs computed so far come back
+        return {name: values[id(node)] for name, node in graph.outputs.items() if id(node) in values}
 
     def evaluate(self, graph: Graph, leaf_values, bindings, observe=None) -> dict[int, np.ndarray]:
         values: dict[int, np.ndarray] = {}
@@ -72,6 +78,10 @@ class Interpreter:
                 raise InterpError(f"no value for {leaf.kind} {leaf.name!r} ({leaf.type})")
             value = leaf_values[leaf.name]
             check_value(leaf, value, bindings)
+            if not (value.flags.c_contiguous or value.size <= 1):
+                # views apply byte strides to the buffer, so it must be laid out as the type says
+                raise InterpError(f"{leaf.kind} {leaf.name!r}: the array is not C-contiguous "
+                                  "(pass np.ascontiguousarray)")
             values[id(leaf)] = value
             roots[id(leaf)] = value
         for node in graph.nodes:

@@ -48,8 +48,11 @@ def format_attrs(op) -> str:
     parts = []
     for field in dataclasses.fields(op):
         value = getattr(op, field.name)
+        if str(field.type) == "float" and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # Scale(s=2) prints as 2.0, as the parser will read it
         default = field.default if field.default is not dataclasses.MISSING else dataclasses.MISSING
-        if default is not dataclasses.MISSING and _same(value, default):
+        if default is not dataclasses.MISSING and (_same(value, default) or value == default
+                                                   and isinstance(value, float) == isinstance(default, float)):
             continue
         parts.append(f"{field.name}={format_value(value)}")
     return "{" + ", ".join(parts) + "}" if parts else ""

@@ -16,9 +16,13 @@ def verify(graph: Graph) -> None:
     order; every type equals what its op infers; users lists match the edges; dims are
     declared; outputs belong to the graph; concrete views stay inside their source."""
     members = {id(x) for x in graph.all_values()}
+    leaf_names: set[str] = set()
     for leaf in graph.leafs:
         if not leaf.is_leaf:
             raise VerifyError(f"{leaf!r} is in the leaf list but is an op node")
+        if leaf.name in leaf_names:
+            raise VerifyError(f"two leaves are named {leaf.name!r}; leaves are bound by name")
+        leaf_names.add(leaf.name)
     for node in graph.nodes:
         if node.is_leaf:
             raise VerifyError(f"leaf {node!r} is in the node list")

@@ -136,8 +136,6 @@ def test_verify_error_is_an_ir_error():
     assert issubclass(VerifyError, IRError)
 
 
-@pytest.mark.xfail(strict=True, reason="verify() accepts two leaves with the same name, but run_graph binds "
-                   "leaf values by name, so both would silently receive the same array")
 def test_rejects_duplicate_leaf_names():
     b = GraphBuilder("t")
     b.add(b.input("x", [4], F32), b.weight("x", [4], F32))

@@ -87,12 +87,16 @@ class SoftMaxExt(Op):
             require(m.dtype in (F32, F16), f"mask must be f32 or f16, got {m.dtype}")
             require(m.shape[-1] == x.shape[-1], f"mask {m} and x {x} differ in the last axis")
             require(m.rank <= x.rank, f"mask {m} has a higher rank than {x}")
-            if x.rank >= 3 and m.rank >= 3:
-                require(dims.divides(m.shape[-3], x.shape[-3]), f"mask heads {m} do not repeat into {x}")
+            rows_m, rows_x = (m.shape[-2] if m.rank >= 2 else 1), x.shape[-2]
+            require(not (isinstance(rows_m, int) and isinstance(rows_x, int)) or rows_m >= rows_x
+                    or rows_m == rows_x, f"mask {m} has fewer rows than x {x}")
+            for axis in (-3, -4):
+                if m.rank >= -axis and x.rank >= -axis:
+                    require(dims.divides(m.shape[axis], x.shape[axis]), f"mask {m} does not repeat into {x}")
         if self.sinks:
             s = rest.pop(0)
             require(s.dtype == F32 and s.rank == 1, f"sinks must be f32 [H], got {s}")
-        require(self.max_bias == 0 or x.rank >= 3, "ALiBi needs a head axis")
+        require(self.max_bias == 0 or (x.rank >= 3 and self.mask), "ALiBi needs a head axis and a mask")
         return x
 
 
@@ -129,6 +133,8 @@ class FlashAttnExt(Op):
             m = rest.pop(0)
             require(m.dtype in (F16, F32), f"mask must be f16 or f32, got {m.dtype}")
             require(m.rank == 4 and m.shape[-1] == k.shape[-2], f"mask {m} does not match {k}")
+            require(dims.divides(m.shape[1], q.shape[1]) and dims.divides(m.shape[0], q.shape[0]),
+                    f"mask {m} heads/streams do not repeat into q {q}")
         if self.sinks:
             s = rest.pop(0)
             require(s.dtype == F32 and s.rank == 1, f"sinks must be f32 [H], got {s}")
