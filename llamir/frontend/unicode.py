@@ -255,6 +255,55 @@ def _llama3_family(max_digits: int, letter: int) -> Splitter:
     return split
 
 
+def is_han(cpt: int) -> bool:
+    """unicode_cpt_is_han: CJK unified ideographs, extensions A-F, compatibility ideographs."""
+    return (0x4E00 <= cpt <= 0x9FFF or 0x3400 <= cpt <= 0x4DBF or 0x20000 <= cpt <= 0x2A6DF
+            or 0x2A700 <= cpt <= 0x2EBEF or 0xF900 <= cpt <= 0xFAFF or 0x2F800 <= cpt <= 0x2FA1F)
+
+
+def _split_kimi_k2(cpts: list[int], flags: list[int], ini: int, end: int, out: list[int]) -> None:
+    """Kimi-K2: [\\p{Han}]+, then words of non-Han letters with an optional leading character and
+    an optional trailing contraction, then llama3's digits, punctuation and whitespace rules."""
+    def fl(p: int) -> int:
+        return flags[p] if p < end else 0
+
+    def letter(p: int) -> bool:
+        return p < end and bool(flags[p] & LETTER) and not is_han(cpts[p])
+
+    pos = prev = ini
+    while pos < end:
+        cpt, f = cpts[pos], flags[pos]
+        if is_han(cpt):
+            while pos < end and is_han(cpts[pos]):
+                pos += 1
+        elif letter(pos) or (cpt != _CR and cpt != _LF and not f & (LETTER | NUMBER) and letter(pos + 1)):
+            pos += not f & LETTER   # the optional leading character
+            while letter(pos):
+                pos += 1
+            if pos < end:
+                pos += _contraction_len(cpts, pos, end, fold=True)
+        elif f & NUMBER:
+            start = pos
+            while fl(pos) & NUMBER:
+                pos += 1
+                if pos - start >= 3:
+                    out.append(pos - prev)
+                    prev = start = pos
+        else:
+            f2 = fl(pos + 1) if cpt == _SPACE else f
+            if f2 and not f2 & (WHITESPACE | LETTER | NUMBER):
+                pos += cpt == _SPACE
+                while (f2 := fl(pos)) and not f2 & (WHITESPACE | LETTER | NUMBER):
+                    pos += 1
+                while pos < end and cpts[pos] in (_CR, _LF):
+                    pos += 1
+            else:
+                pos = _whitespace_end(cpts, flags, pos, end, newline_runs=True)
+        if pos > prev:
+            out.append(pos - prev)
+        prev = pos
+
+
 def _split_newlines(cpts: list[int], flags: list[int], ini: int, end: int, out: list[int]) -> None:
     """[^\\n]+|[\\n]+"""
     pos = ini
@@ -301,6 +350,7 @@ CUSTOM_SPLITTERS: dict[str, Splitter] = {  # unicode_regex_split_custom: pattern
     QWEN2_PATTERN: _llama3_family(1, LETTER),
     QWEN35_PATTERN: _llama3_family(1, LETTER | ACCENT_MARK),
     NEWLINES_PATTERN: _split_newlines,
+    "\\p{Han}+": _split_kimi_k2,   # llama.cpp's trigger for the whole Kimi-K2 pattern
     "\\p{AFMoE_digits}": _split_digit_groups,
     "\\d{1,3}(?=(?:\\d{3})*\\b)": _split_digit_groups,
 }

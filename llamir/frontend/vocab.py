@@ -23,6 +23,7 @@ from llamir.frontend.vocab_algos import (
     decode_byte_level,
     hex_prefix,
 )
+from llamir.frontend.vocab_gguf import read_metadata
 from llamir.frontend.vocab_hash_order import iteration_order
 from llamir.frontend.vocab_pre import PRE_TOKENIZERS, UNSUPPORTED_PRE, PreTokenizer
 from llamir.frontend.vocab_special import (
@@ -73,8 +74,6 @@ class Vocab:
     @classmethod
     def from_file(cls, path: str | Path) -> Vocab:
         """The vocab of a GGUF file, reading only its metadata."""
-        from llamir.frontend.vocab_gguf import read_metadata
-
         return cls.from_metadata(read_metadata(path))
 
     @classmethod
@@ -116,6 +115,8 @@ class Vocab:
 
     def _read_merges(self, meta: Mapping[str, Any]) -> dict[str, int]:
         merges = meta.get("tokenizer.ggml.merges")
+        if merges is None and self.pre == "kimi-k2":
+            return {}   # llama.cpp lets Kimi-K2 go without merges
         if merges is None:
             raise ValueError("cannot find tokenizer merges (tokenizer.ggml.merges) in a BPE vocab")
         if not isinstance(merges, Sequence) or not all(isinstance(m, str) for m in merges[:16]):

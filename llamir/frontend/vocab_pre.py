@@ -127,6 +127,7 @@ PATTERNS: dict[str, tuple[str, ...]] = {
     ),
     "gemma4": (NEWLINES_PATTERN,),
     "sarvam_moe": (NEWLINES_PATTERN,),
+    "kimi_k2": ("\\p{Han}+",),
     "minicpm5": ("\\p{N}{1,3}", QWEN2_PATTERN.replace("|\\p{N}|", "|\\p{N}+|")),
 }
 PATTERNS["chatglm4"] = PATTERNS["llama3"]  # same text as llama3, so also its hand-written splitter
@@ -202,7 +203,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_names("qwen2", "grok-2", **KEEP),
     **_names("afmoe", "afmoe", **KEEP),
     **_names("laguna", "laguna", **KEEP),
+    **_names("kimi_k2", "kimi-k2", **KEEP),
 }
 
-# known to llama.cpp, but their tokenizers are not ported (kimi-k2's splitter, the whitespace model)
-UNSUPPORTED_PRE = {"kimi-k2", "whitespace"}
+# known to llama.cpp, but not ported: the pre-tokenizer of the "whitespace" tokenizer model
+UNSUPPORTED_PRE = {"whitespace"}

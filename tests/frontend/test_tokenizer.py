@@ -180,8 +180,8 @@ def test_bad_token_ids_name_the_id() -> None:
     ({"tokenizer.ggml.model": "gpt2"}, "cannot find tokenizer merges"),
     ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "nope"},
      "unknown pre-tokenizer type: 'nope'"),
-    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "kimi-k2"},
-     "'kimi-k2' is known to llama.cpp but not supported"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.pre": "whitespace"},
+     "'whitespace' is known to llama.cpp but not supported"),
 ])
 def test_bad_metadata_is_a_clear_error(change: dict[str, object], message: str) -> None:
     meta = spm_meta()

@@ -43,6 +43,7 @@ CORPUS: list[str] = [
     "Äpfel über Straße — naïve café résumé",
     "Ελληνικά κείμενο και Русский текст",
     "中文字符测试，你好世界。",
+    "Kimi說：it's 你好World's ÀB'LL 漢字abc'd",
     "日本語のテキスト、カタカナとひらがな",
     "한국어 텍스트 입니다",
     "🦙🦙 llama 🔥 emoji 👨‍👩‍👧‍👦 family 🇫🇷 flag",

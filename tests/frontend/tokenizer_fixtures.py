@@ -61,9 +61,15 @@ def vocab_files_dir() -> Path:
         if not list(staging.glob("ggml-vocab-*.gguf")):
             raise VocabFilesUnavailable(f"{sdists[0].name} has no {VOCAB_MEMBER}* files")
         (staging / ".complete").touch()
+        if (target / ".complete").exists():   # another test process finished first
+            return target
+        shutil.rmtree(target, ignore_errors=True)   # a partial leftover
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / ".complete").exists():
+                raise
     return target
 
 
