@@ -2,10 +2,10 @@
 and `regex_split`, the pre-tokenizer that splits text into words.
 
 Exactness over generality: flags come from llama.cpp's own tables (unicode_data.py), invalid
-UTF-8 becomes U+FFFD byte by byte as llama.cpp does it, the hand-written splitters for the
-gpt2/llama3/qwen2 patterns are ported line by line, and every other pattern runs the way
-llama.cpp runs it through std::regex: on a "collapsed" text where each non-ASCII code point
-is replaced by one byte naming its category.
+UTF-8 becomes U+FFFD byte by byte as llama.cpp does it, llama.cpp's hand-written splitters
+(gpt2, llama3, qwen2/3.5, kimi-k2, newlines, digit groups) are ported line by line, and every
+other pattern runs the way llama.cpp runs it through std::regex: on a "collapsed" text where
+each non-ASCII code point is replaced by one byte naming its category.
 """
 
 from __future__ import annotations
