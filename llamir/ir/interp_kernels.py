@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llamir.ir import ops
+from llamir.ir import ggml_math, ops
 from llamir.ir.dtypes import BF16, F16, F32, DType
 from llamir.ir.graph import Node
 
@@ -81,7 +81,7 @@ def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
 def tile_to(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """ggml repeat-broadcast: b's axes tile the target's (size-1 axes broadcast for free)."""
     b = b.reshape((1,) * (len(shape) - b.ndim) + b.shape)
-    reps = [s // d if d not in (1, s) else 1 for s, d in zip(shape, b.shape)]
+    reps = [s // d if d not in (1, s) else 1 for s, d in zip(shape, b.shape, strict=True)]
     if any(r != 1 for r in reps):
         b = np.tile(b, reps)
     return np.broadcast_to(b, shape)
@@ -104,7 +104,13 @@ def _binary(ctx, node, args, bindings):
 
 
 def _sigmoid(x):
-    return f32(1) / (f32(1) + np.exp(-x))
+    """ggml's op_sigmoid: 1 / (1 + expf(-x)), glibc expf."""
+    return f32(1) / (f32(1) + ggml_math.expf(-x))
+
+
+def _silu_scalar(x):
+    """ggml_silu_f32: x / (1 + expf(-x)), glibc expf (the f16/bf16 rows and f32 row tails)."""
+    return x / (f32(1) + ggml_math.expf(-x))
 
 
 def _gelu_f32(x):
@@ -134,20 +140,23 @@ _UNARY: dict[type, Callable] = {
     ops.Elu: lambda x: np.where(x > 0, x, np.expm1(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
     ops.Sigmoid: _sigmoid, ops.Gelu: _gelu_table,
     ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + _erf(x * f32(1 / math.sqrt(2)))),
-    ops.GeluQuick: _gelu_quick_table, ops.Silu: lambda x: x * _sigmoid(x),
+    ops.GeluQuick: _gelu_quick_table, ops.Silu: ggml_math.vec_silu,
     ops.HardSigmoid: lambda x: np.clip((x + 3) / 6, 0, 1),
     ops.HardSwish: lambda x: x * np.clip((x + 3) / 6, 0, 1),
-    ops.Exp: np.exp, ops.Log: np.log, ops.Sqr: np.square, ops.Sqrt: np.sqrt,
-    ops.Sin: np.sin, ops.Cos: np.cos, ops.Softplus: lambda x: np.logaddexp(f32(0), x),
+    ops.Exp: ggml_math.expf, ops.Log: np.log, ops.Sqr: np.square, ops.Sqrt: np.sqrt,
+    ops.Sin: ggml_math.sinf, ops.Cos: ggml_math.cosf, ops.Softplus: lambda x: np.logaddexp(f32(0), x),
 }
 
 
 _EXACT_FOR_BF16 = {ops.Gelu: _gelu_f32, ops.GeluQuick: lambda x: x * _sigmoid(f32(1.702) * x)}
+_SCALAR_FOR_F16 = {ops.Silu: _silu_scalar}  # ggml_vec_silu_f16/bf16 have no 16-lane path
 
 
 @kernel(*_UNARY)
 def _unary(ctx, node, args, bindings):
     fn = _UNARY[type(node.op)]
+    if _in(node, 0) != F32:
+        fn = _SCALAR_FOR_F16.get(type(node.op), fn)
     if _in(node, 0) == BF16:  # ggml's bf16 gelus compute in f32, without the f16 tables
         fn = _EXACT_FOR_BF16.get(type(node.op), fn)
     with np.errstate(all="ignore"):
@@ -155,7 +164,7 @@ def _unary(ctx, node, args, bindings):
     return from_f32(np.asarray(y, dtype=f32), node.dtype)
 
 
-_GLU_ACT = {ops.SwiGlu: _UNARY[ops.Silu], ops.GeGlu: _gelu_table, ops.ReGlu: _UNARY[ops.Relu],
+_GLU_ACT = {ops.SwiGlu: ggml_math.vec_silu, ops.GeGlu: _gelu_table, ops.ReGlu: _UNARY[ops.Relu],
             ops.GeGluErf: _UNARY[ops.GeluErf], ops.GeGluQuick: _gelu_quick_table}
 
 
@@ -169,8 +178,11 @@ def _glu(ctx, node, args, bindings):
         a, b = x[..., :half], x[..., half:]
         if node.op.swapped:  # only the fused form has halves to swap
             a, b = b, a
+    act = _GLU_ACT[type(node.op)]
+    if act is ggml_math.vec_silu and _in(node, 0) != F32:  # ggml_vec_swiglu_f16/bf16: scalar silu
+        act = _silu_scalar
     with np.errstate(all="ignore"):
-        y = _GLU_ACT[type(node.op)](a) * b
+        y = act(a) * b
     return from_f32(y, node.dtype)
 
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from llamir.ir import ops
+from llamir.ir import ggml_math, ops
 from llamir.ir.dtypes import BF16, F16, F32, I32, DType
 from llamir.ir.interp_kernels import _in, f32, from_f32, kernel, to_f32
 
@@ -44,7 +44,7 @@ def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool
 
 def _batch_index(idx: tuple[int, ...], a_batch: tuple[int, ...], b_batch: tuple[int, ...]) -> tuple[int, ...]:
     """ggml's broadcast: b batch i uses a batch i // (nb / na) (consecutive b's share an a)."""
-    return tuple(i // (nb // na) for i, na, nb in zip(idx, a_batch, b_batch))
+    return tuple(i // (nb // na) for i, na, nb in zip(idx, a_batch, b_batch, strict=True))
 
 
 @kernel(ops.MulMat)
@@ -136,7 +136,7 @@ def rope_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: fl
 def rope_cos_sin(op: ops.RopeExt, pos: np.ndarray, freq_factors: np.ndarray | None):
     """cos/sin [T, n_dims/2] as ggml_rope_cache_init computes them (theta *= theta_scale in f32)."""
     half = op.n_dims // 2
-    theta_scale = f32(np.power(f32(op.freq_base), f32(-2.0) / f32(op.n_dims)))
+    theta_scale = f32(ggml_math.powf(f32(op.freq_base), f32(-2.0) / f32(op.n_dims)))
     theta = pos.astype(f32)
     thetas = np.empty((pos.shape[0], half), dtype=f32)
     for i in range(half):
@@ -146,13 +146,13 @@ def rope_cos_sin(op: ops.RopeExt, pos: np.ndarray, freq_factors: np.ndarray | No
         thetas = thetas / freq_factors[:half].astype(f32)
     theta_interp = f32(op.freq_scale) * thetas
     mscale = f32(op.attn_factor)
-    if op.ext_factor != 0.0:
+    if op.ext_factor != 0.0:  # rope_yarn; GCC fuses the first product of the mix into an fma
         low, high = rope_corr_dims(op.n_dims, op.n_ctx_orig, op.freq_base, op.beta_fast, op.beta_slow)
         y = (np.arange(half, dtype=f32) - f32(low)) / f32(max(0.001, high - low))
-        ramp_mix = (f32(1) - np.clip(y, 0, 1)) * f32(op.ext_factor)
-        theta_interp = theta_interp * (f32(1) - ramp_mix) + thetas * ramp_mix
-        mscale = mscale * f32(1.0 + 0.1 * math.log(1.0 / op.freq_scale))
-    return np.cos(theta_interp) * mscale, np.sin(theta_interp) * mscale
+        ramp_mix = (f32(1) - np.minimum(f32(1), np.maximum(f32(0), y))) * f32(op.ext_factor)
+        theta_interp = ggml_math.fma(theta_interp, f32(1) - ramp_mix, thetas * ramp_mix)
+        mscale = mscale * ggml_math.fma(f32(0.1), ggml_math.logf(f32(1) / f32(op.freq_scale)), f32(1))[0]
+    return ggml_math.cosf(theta_interp) * mscale, ggml_math.sinf(theta_interp) * mscale
 
 
 @kernel(ops.RopeExt)
@@ -164,13 +164,13 @@ def _rope(ctx, node, args, bindings):
     y = np.array(x, dtype=f32, copy=True)
     half = op.n_dims // 2
     if op.mode == ops.ROPE_NEOX:
-        x0, x1 = x[..., :half], x[..., half:op.n_dims]
-        y[..., :half] = x0 * cos - x1 * sin
-        y[..., half:op.n_dims] = x0 * sin + x1 * cos
+        first, second = slice(0, half), slice(half, op.n_dims)
     else:
-        x0, x1 = x[..., 0:op.n_dims:2], x[..., 1:op.n_dims:2]
-        y[..., 0:op.n_dims:2] = x0 * cos - x1 * sin
-        y[..., 1:op.n_dims:2] = x0 * sin + x1 * cos
+        first, second = slice(0, op.n_dims, 2), slice(1, op.n_dims, 2)
+    x0, x1 = x[..., first], x[..., second]
+    # rotate_pairs: x0*cos - x1*sin and x0*sin + x1*cos, GCC fusing each first product into an fma
+    y[..., first] = ggml_math.fma(x0, cos, -(x1 * sin))
+    y[..., second] = ggml_math.fma(x0, sin, x1 * cos)
     return from_f32(y, node.dtype)
 
 
@@ -180,10 +180,11 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     if max_bias <= 0:
         return np.ones(n_head, dtype=f32)
     n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
-    m0 = f32(2.0) ** (-f32(max_bias) / f32(n_head_log2))
-    m1 = f32(2.0) ** (-(f32(max_bias) / f32(2)) / f32(n_head_log2))
-    return np.array([m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1)
-                     for h in range(n_head)], dtype=f32)
+    m0 = ggml_math.powf(f32(2.0), -f32(max_bias) / f32(n_head_log2))
+    m1 = ggml_math.powf(f32(2.0), -(f32(max_bias) / f32(2)) / f32(n_head_log2))
+    heads = np.arange(n_head)
+    return np.where(heads < n_head_log2, ggml_math.powf(m0, heads + 1),
+                    ggml_math.powf(m1, 2 * (heads - n_head_log2) + 1)).astype(f32)
 
 
 def _mask_rows(mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -202,9 +203,9 @@ def _soft_max(ctx, node, args, bindings):
     w = x * f32(op.scale)
     if op.mask:
         mask = _mask_rows(to_f32(rest.pop(0), _in(node, 1)), x.shape)
-        if op.max_bias > 0:
+        if op.max_bias > 0:  # wp[i] += slope*mask[i], contracted to an fma by GCC
             slopes = alibi_slopes(x.shape[-3], op.max_bias)[:, None, None]
-            w = w + slopes * mask
+            w = ggml_math.fma(np.broadcast_to(slopes, w.shape), mask, w)
         else:
             w = w + mask
     row_max = np.max(w, axis=-1, keepdims=True)
@@ -212,12 +213,12 @@ def _soft_max(ctx, node, args, bindings):
     if op.sinks:
         sinks = rest.pop(0).astype(f32)[:, None, None]
         row_max = np.maximum(row_max, sinks)
-    with np.errstate(invalid="ignore", over="ignore"):
-        e = np.exp(w - row_max).astype(f32)
-        total = np.sum(e, axis=-1, keepdims=True, dtype=np.float64)
-        if sinks is not None:
-            total = total + np.exp(sinks - row_max).astype(np.float64)
-        return (e * (1.0 / total).astype(f32)).astype(f32)
+    e, total = ggml_math.vec_soft_max(w, row_max)  # ggml_compute_forward_soft_max_f32
+    if sinks is not None:
+        with np.errstate(invalid="ignore"):
+            total = total + ggml_math.expf(np.broadcast_to(sinks - row_max, total.shape)).astype(np.float64)
+    with np.errstate(divide="ignore"):
+        return e * (1.0 / total).astype(f32)
 
 
 @kernel(ops.FlashAttnExt)

@@ -1,0 +1,280 @@
+"""The float functions ggml's x86 CPU backend evaluates, ported to numpy bit for bit.
+
+ggml (built for AVX-512 with GCC, whose default -ffp-contract=fast fuses a*b+c into one FMA)
+computes softmax and SiLU with its own vectorised exp, `ggml_v_expf`, on 16-lane chunks and
+falls back to glibc's expf/sinf/cosf in scalar code (row tails, rope angles, sinks). Every
+function here follows one of those, named in its docstring, so the reference interpreter rounds
+exactly as llama.cpp does; all of them act element-wise on float32 arrays of any shape.
+
+glibc's own FMA builds fuse some of their float64 steps too; emulating those would take
+double-double arithmetic for a change that reaches the float32 result about once in 10^8
+calls, so the float64 parts below round each step (see tests/ir/test_ggml_exact.py).
+"""
+
+from __future__ import annotations
+
+import decimal
+from functools import cache
+
+import numpy as np
+
+f32, f64 = np.float32, np.float64
+u32, u64 = np.uint32, np.uint64
+
+
+def _hex32(s: str) -> np.float32:
+    return f32(float.fromhex(s))
+
+
+# -- exact float32 fused multiply-add ----------------------------------------------------------
+def fma(a, b, c) -> np.ndarray:
+    """float32 a*b + c with a single rounding (vfmadd): exact through float64.
+
+    a*b is exact in float64; the one float64 rounding of the sum can only mislead the float32
+    rounding when it lands exactly halfway between two float32 values, which is fixed up from
+    the sum's exact error (TwoSum)."""
+    a, b, c = (np.atleast_1d(np.asarray(v, dtype=f32)) for v in (a, b, c))
+    p = a.astype(f64) * b
+    c64 = c.astype(f64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = p + c64
+        out = s.astype(f32)
+        maybe_tie = (s.view(u64) & u64((1 << 28) - 1)) == 0   # every float32 midpoint has these 28 zero bits
+        if np.any(maybe_tie):
+            at = np.nonzero(maybe_tie)
+            s_t, p_t, c_t = s[at], np.broadcast_to(p, s.shape)[at], np.broadcast_to(c64, s.shape)[at]
+            t = s_t - p_t
+            err = (p_t - (s_t - t)) + (c_t - t)               # exact: p + c == s + err
+            r = out[at]
+            below = np.where(r.astype(f64) < s_t, r, np.nextafter(r, f32(-np.inf)))
+            above = np.where(r.astype(f64) > s_t, r, np.nextafter(r, f32(np.inf)))
+            is_mid = (below.astype(f64) + above.astype(f64)) * 0.5 == s_t
+            out[at] = np.where(is_mid & (err > 0), above, np.where(is_mid & (err < 0), below, r))
+    return out
+
+
+# -- ggml_v_expf / ggml_v_silu (vec.h, the __AVX512F__ && __AVX512DQ__ branch) ----------------
+_SHIFT23 = _hex32("0x1.8p23")
+_LOG2E = _hex32("0x1.715476p+0")
+_LN2_HI, _LN2_LO = _hex32("0x1.62e4p-1"), _hex32("0x1.7f7d1cp-20")
+_P1, _P2, _P3 = _hex32("0x1.ffffecp-1"), _hex32("0x1.fffdb6p-2"), _hex32("0x1.555e66p-3")
+_P4, _P5 = _hex32("0x1.573e2ep-5"), _hex32("0x1.0e4020p-7")
+
+
+def v_expf(x: np.ndarray) -> np.ndarray:
+    """ggml_v_expf: exp(x) = 2^n * poly(b), n = round(x*log2e), b = x - n*ln2 (ln2 in two parts)."""
+    x = np.asarray(x, dtype=f32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        n = fma(x, _LOG2E, _SHIFT23) - _SHIFT23
+        b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
+        u = b * b
+        j = fma(fma(fma(_P5, b, _P4), u, fma(_P3, b, _P2)), u, fma(_P1, b, f32(1)))
+        out_of_range = np.abs(n) > 192                       # ±inf and NaN-free huge inputs
+        exponent = np.where(out_of_range | np.isnan(n), 0, n).astype(np.int32)
+        res = np.ldexp(j, exponent)                           # _mm512_scalef_ps (j finite, n integral)
+        return np.where(out_of_range, np.where(n <= 0, f32(0), f32(np.inf)), res).astype(f32)
+
+
+def v_silu(x: np.ndarray) -> np.ndarray:
+    """ggml_v_silu: x / (1 + ggml_v_expf(0 - x))."""
+    x = np.asarray(x, dtype=f32)
+    with np.errstate(over="ignore"):
+        return x / (f32(1) + v_expf(f32(0) - x))
+
+
+def _head_tail(n: int) -> int:
+    """How many of a row's n values ggml's 16-lane loops take; the rest go through scalar code."""
+    return n - n % 16
+
+
+def vec_silu(x: np.ndarray) -> np.ndarray:
+    """ggml_vec_silu_f32 on each row (last axis): 16-lane ggml_v_silu, then ggml_silu_f32 (glibc expf)."""
+    x = np.asarray(x, dtype=f32)
+    k = _head_tail(x.shape[-1])
+    if k == x.shape[-1]:
+        return v_silu(x)
+    with np.errstate(over="ignore"):
+        tail = x[..., k:] / (f32(1) + expf(-x[..., k:]))
+    return np.concatenate([v_silu(x[..., :k]), tail], axis=-1)
+
+
+def vec_swiglu(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """ggml_vec_swiglu_f32 on each row: silu(x) * g, with vec_silu's split between lanes and tail."""
+    return vec_silu(x) * np.asarray(g, dtype=f32)
+
+
+def reduce_add_16(v: np.ndarray) -> np.ndarray:
+    """_mm512_reduce_add_ps over the last axis (16 lanes) in GCC's order: halves, quarters, pairs."""
+    h8 = v[..., 8:16] + v[..., 0:8]
+    h4 = h8[..., 4:8] + h8[..., 0:4]
+    return (h4[..., 0] + h4[..., 2]) + (h4[..., 1] + h4[..., 3])
+
+
+def vec_soft_max(x: np.ndarray, row_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml_vec_soft_max_f32 on each row: y = exp(x - max) (ggml_v_expf in 16-lane chunks, glibc
+    expf on the tail) and their float64 sum: each chunk's float32 lane sum added in order, then
+    the tail's values one by one. Returns (y, sum [..., 1] float64)."""
+    x = np.asarray(x, dtype=f32)
+    n = x.shape[-1]
+    k = _head_tail(n)
+    with np.errstate(invalid="ignore"):
+        shifted = x - np.asarray(row_max, dtype=f32)
+    head = v_expf(shifted[..., :k])
+    parts = [reduce_add_16(head.reshape(head.shape[:-1] + (k // 16, 16))).astype(f64)]
+    y = head
+    if k < n:
+        tail = expf(shifted[..., k:])
+        parts.append(tail.astype(f64))
+        y = np.concatenate([head, tail], axis=-1)
+    terms = np.concatenate(parts, axis=-1)
+    total = np.cumsum(terms, axis=-1)[..., -1:] if terms.shape[-1] else np.zeros(x.shape[:-1] + (1,))
+    return y, total
+
+
+# -- glibc expf (sysdeps/ieee754/flt-32/e_expf.c, table-driven, float64 inside) -------------------
+_EXP_N = 32
+_INV_LN2_N = float.fromhex("0x1.71547652b82fep+0") * _EXP_N
+_SHIFT52 = float.fromhex("0x1.8p+52")
+_EXP_C = (float.fromhex("0x1.c6af84b912394p-5") / _EXP_N**3,
+          float.fromhex("0x1.ebfce50fac4f3p-3") / _EXP_N**2,
+          float.fromhex("0x1.62e42ff0c52d6p-1") / _EXP_N)
+
+
+@cache
+def _exp2_table() -> np.ndarray:
+    """bits(2^(i/32)) - (i << 47): the float64 of 2^(k/32) is bits(tab[k % 32] + (k << 47))."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        two = decimal.Decimal(2)
+        values = [float(two ** (decimal.Decimal(i) / _EXP_N)) for i in range(_EXP_N)]
+    bits = np.array(values, dtype=f64).view(u64)
+    return bits - (np.arange(_EXP_N, dtype=u64) << u64(47))
+
+
+def expf(x: np.ndarray) -> np.ndarray:
+    """glibc expf: k = round(x*32/ln2), exp(x) = 2^(k/32) * cubic(r) in float64, rounded once."""
+    x = np.asarray(x, dtype=f32)
+    xd = x.astype(f64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = _INV_LN2_N * xd
+        kd = z + _SHIFT52
+        ki = kd.view(u64)
+        kd = kd - _SHIFT52
+        r = z - kd
+        t = _exp2_table()[(ki % u64(_EXP_N)).astype(np.intp)] + (ki << u64(47))
+        s = t.view(f64)
+        y = ((_EXP_C[0] * r + _EXP_C[1]) * (r * r) + (_EXP_C[2] * r + 1.0)) * s
+        out = y.astype(f32)
+    big = np.abs(x) >= f32(88)                                  # glibc's special-case gate (and NaN)
+    if np.any(big):
+        special = np.where(x > _hex32("0x1.62e42ep6"), f32(np.inf),
+                           np.where(x < _hex32("-0x1.9fe368p6"), f32(0), out))
+        special = np.where(np.isnan(x), x, special)
+        out = np.where(big | np.isnan(x), special, out)
+    return out
+
+
+# -- glibc sinf / cosf (sysdeps/ieee754/flt-32/s_sinf.c, s_cosf.c, s_sincosf.h) ---------------
+_HPI_INV_2_24 = float.fromhex("0x1.45F306DC9C883p+23")        # 2/pi * 2^24
+_HPI = float.fromhex("0x1.921FB54442D18p0")                   # pi/2
+_PI63 = float.fromhex("0x1.921FB54442D18p-62")                # 2pi * 2^-64
+_COS_C = tuple(float.fromhex(h) for h in ("0x1p0", "-0x1.ffffffd0c621cp-2", "0x1.55553e1068f19p-5",
+                                          "-0x1.6c087e89a359dp-10", "0x1.99343027bf8c3p-16"))
+_SIN_S = tuple(float.fromhex(h) for h in ("-0x1.555545995a603p-3", "0x1.1107605230bc4p-7",
+                                          "-0x1.994eb3774cf24p-13"))
+
+
+def _abstop12(x) -> np.ndarray:
+    return (np.asarray(x, dtype=f32).view(u32) >> u32(20)) & u32(0x7FF)
+
+
+@cache
+def _inv_pio4() -> np.ndarray:
+    """glibc's __inv_pio4: entry i holds bits 8i-24 .. 8i+8 of 2/pi's binary fraction (192 bits)."""
+    bits = 256
+    scale = 1 << (bits + 16)
+
+    def arctan_inv(m: int) -> int:  # arctan(1/m) * scale, by its Taylor series in integers
+        total, term, k, sign = 0, scale // m, 1, 1
+        while term:
+            total += sign * (term // k)
+            term //= m * m
+            k += 2
+            sign = -sign
+        return total
+
+    pi_scaled = 16 * arctan_inv(5) - 4 * arctan_inv(239)      # Machin's formula
+    two_over_pi = (2 * scale * (1 << bits)) // pi_scaled      # 2/pi * 2^bits
+    return np.array([(two_over_pi >> (bits - 8 * (i + 1))) & 0xFFFFFFFF for i in range(24)], dtype=u64)
+
+
+def _reduce_large(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """glibc reduce_large: |y| mod pi/2 from a 32x96-bit product with 2/pi; returns (r, quadrant)."""
+    xi = y.view(u32).astype(u64)
+    table = _inv_pio4()
+    base = ((xi >> u64(26)) & u64(15)).astype(np.intp)
+    shift = (xi >> u64(23)) & u64(7)
+    m = ((xi & u64(0xFFFFFF)) | u64(0x800000)) << shift
+    res0 = (m * table[base]) & u64(0xFFFFFFFF)                 # a 32-bit product in C
+    res1 = m * table[base + 4]
+    res2 = m * table[base + 8]
+    res0 = ((res2 >> u64(32)) | (res0 << u64(32))) + res1
+    n = (res0 + u64(1 << 61)) >> u64(62)
+    res0 = res0 - (n << u64(62))
+    return res0.view(np.int64).astype(f64) * _PI63, n.astype(np.int64)
+
+
+def _poly(x: np.ndarray, x2: np.ndarray, odd: np.ndarray, negate_cos: np.ndarray) -> np.ndarray:
+    """glibc sinf_poly: the sine polynomial for an even quadrant, the cosine one for odd."""
+    x3 = x * x2
+    sine = (x + x3 * _SIN_S[0]) + (x3 * x2) * (_SIN_S[1] + x2 * _SIN_S[2])
+    c = tuple(np.where(negate_cos, -v, v) for v in _COS_C)
+    x4 = x2 * x2
+    cosine = (c[0] + x2 * c[1] + x4 * c[2]) + (x4 * x2) * (c[3] + x2 * c[4])
+    return np.where(odd, cosine, sine)
+
+
+def _sin_or_cos(y: np.ndarray, cos: bool) -> np.ndarray:
+    y = np.asarray(y, dtype=f32)
+    x = y.astype(f64)
+    top = _abstop12(y)
+    with np.errstate(invalid="ignore"):
+        # |y| < 120: one multiply-subtract by pi/2 (glibc reduce_fast, the quadrant from bits 24..31)
+        n_fast = ((x * _HPI_INV_2_24).astype(np.int64).astype(np.int32) + 0x800000) >> 24
+        r_fast = x - n_fast * _HPI
+        r_large, n_large = _reduce_large(np.where(top < _abstop12(np.inf), y, f32(0)))
+        sign_bit = (y.view(u32) >> u32(31)).astype(np.int64)
+        is_small = top < _abstop12(f32(float.fromhex("0x1.921FB54442D18p-1")))
+        is_fast = top < _abstop12(f32(120))
+        r = np.where(is_small, x, np.where(is_fast, r_fast, r_large))
+        n = np.where(is_small, 0, np.where(is_fast, n_fast, n_large))
+        quadrant = np.where(is_small | is_fast, n, n + sign_bit) & 3
+        sign = np.where((quadrant == 1) | (quadrant == 2), -1.0, 1.0)
+        arg = np.where(is_small, x, r * sign)
+        out = _poly(arg, r * r, (n + cos) & 1 == 1, (quadrant & 2) == 2).astype(f32)
+        tiny = top < _abstop12(f32(2.0**-12))
+        out = np.where(tiny, f32(1) if cos else y, out)
+        return np.where(top >= _abstop12(np.inf), y - y, out)
+
+
+def sinf(y: np.ndarray) -> np.ndarray:
+    """glibc sinf (float64 polynomial after reduction to [-pi/4, pi/4])."""
+    return _sin_or_cos(y, cos=False)
+
+
+def cosf(y: np.ndarray) -> np.ndarray:
+    """glibc cosf (float64 polynomial after reduction to [-pi/4, pi/4])."""
+    return _sin_or_cos(y, cos=True)
+
+
+def logf(x) -> np.float32:
+    """glibc logf, approximated by the rounded float64 log: they differ in about 0.2% of inputs
+    (glibc's own error is 0.82 ulp). Only rope's YaRN magnitude scale uses it, once per op."""
+    return f32(np.log(np.float64(x)))
+
+
+def powf(x, y) -> np.ndarray:
+    """glibc powf, approximated by the rounded float64 power: equal for every (freq_base, n_dims)
+    of rope we tried and ~99.94% of random inputs (glibc's error is 0.82 ulp). Used for scalars:
+    rope's theta_scale and ALiBi slopes."""
+    return (np.asarray(x, dtype=f32).astype(f64) ** np.asarray(y, dtype=f32).astype(f64)).astype(f32)
