@@ -70,10 +70,16 @@ class Context:
 
     # -- graphs -----------------------------------------------------------------------------------
     def _backend_runs_flash_attn(self) -> bool:
+        """flash_attn=auto: build the graph with flash attention and keep it only if the backend
+        supports every __fattn__ node (llama.cpp checks where the scheduler put them)."""
+        from llamir.frontend.graph_kv import KVLayout
         from llamir.ir import ops
 
-        probe = type("Probe", (), {"op": ops.FlashAttnExt()})()
-        return self.backend.supports_op(probe)
+        probe_kv = KVLayout(kv_size=256, type_k=self.cparams.type_k, type_v=self.cparams.type_v, v_trans=False)
+        config = GraphConfig(kv=probe_kv, rope=self.cparams.rope, flash_attn=True,
+                             causal_attn=self.cparams.causal_attn)
+        graph = self.model.build_graph(config)
+        return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
 
     def graph_config(self, has_tokens: bool) -> GraphConfig:
         return GraphConfig(kv=self.memory.layout, rope=self.cparams.rope, flash_attn=self.cparams.flash_attn,

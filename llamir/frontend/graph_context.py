@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llamir.frontend.graph_kv import KVLayout, KVGraph
+from llamir.frontend.graph_kv import KVGraph, KVLayout, NoCacheGraph, TokenDims
 from llamir.frontend.hparams import HParams
-from llamir.ir import F16, F32, I32, GraphBuilder, Node, ops, sym
+from llamir.ir import F16, F32, I32, GraphBuilder, Node, dims, ops, sym
 from llamir.ir.builder import Name
 
 DIM_NAMES = ("T", "n_kv", "n_out")
+STREAM_DIM_NAMES = ("T_s", "ns", "s0", "n_kv", "n_out")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,16 @@ class GraphConfig:
     causal_attn: bool = True
     input_kind: str = "tokens"   # "tokens" or "embd"
     embeddings: bool = False     # also output the final hidden state (t_embd)
+    pooling: str = "none"        # none | mean | cls | last | rank (applied when embeddings)
+    kv_swa: KVLayout | None = None   # the sliding-window cache of an iSWA model
+
+    @property
+    def n_stream(self) -> int:
+        return self.kv.n_stream if self.kv is not None else 1
+
+    def dim_names(self) -> tuple[str, ...]:
+        names = DIM_NAMES if self.n_stream == 1 else STREAM_DIM_NAMES
+        return names + (("n_kv_swa",) if self.kv_swa is not None else ())
 
 
 @dataclass
@@ -90,11 +101,25 @@ class GraphContext:
         self.model = model
         self.hp: HParams = model.hparams
         self.config = config
-        self.b = GraphBuilder(model.hparams.arch, DIM_NAMES)
-        self.T, self.n_kv, self.n_out = (sym(d) for d in DIM_NAMES)
+        self.b = GraphBuilder(model.hparams.arch, config.dim_names())
+        if config.n_stream == 1:
+            self.T = sym("T")
+            tokens = TokenDims(T=self.T, T_s=self.T, ns=1, s0=0)
+        else:
+            tokens = TokenDims(T=dims.mul(sym("ns"), sym("T_s")), T_s=sym("T_s"), ns=sym("ns"), s0=sym("s0"))
+            self.T = tokens.T
+        self.tokens = tokens
+        self.n_kv, self.n_out = sym("n_kv"), sym("n_out")
         self._weights: dict[str, Node] = {}
         self._pos: Node | None = None
-        self.kv = KVGraph(self.b, self.hp, config.kv, self.T, self.n_kv, config.flash_attn) if config.kv else None
+        self._layer_attn: dict[int, object] = {}
+        if config.kv is None:
+            self.kv = NoCacheGraph(self.b, tokens, config.flash_attn)
+            self.kv_swa = NoCacheGraph(self.b, tokens, config.flash_attn, "_swa") if self.hp.n_swa else None
+        else:
+            self.kv = KVGraph(self.b, self.hp, config.kv, tokens, self.n_kv, config.flash_attn)
+            self.kv_swa = (KVGraph(self.b, self.hp, config.kv_swa, tokens, sym("n_kv_swa"), config.flash_attn)
+                           if config.kv_swa is not None else None)
 
     # -- weights ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -170,13 +195,14 @@ class GraphContext:
                                ext_factor=r.ext_factor, attn_factor=r.attn_factor, beta_fast=r.beta_fast,
                                beta_slow=r.beta_slow, name=name)
 
-    def attn(self, il: int, q: Node, k: Node, v: Node, wo: Node, wo_b: Node | None, kq_scale: float) -> Node:
-        """build_attn with the KV cache: store k/v, attend over n_kv cells, project with wo."""
-        if self.kv is None:
-            raise ValueError("this graph has no KV cache; build it with a KVLayout")
-        cur = self.kv.attend(il, q, k, v, kq_scale, max_bias=self.hp.f_max_alibi_bias,
-                             softcap=self.hp.f_attn_logit_softcapping)                   # [T, H*dv]
-        return self.linear(wo, cur, wo_b)
+    def attn(self, il: int, q: Node, k: Node, v: Node, wo: Node | None, wo_b: Node | None,
+             kq_scale: float) -> Node:
+        """build_attn: store k/v in the layer's cache (the SWA one for sliding-window layers, or none
+        for encoders), attend, and project with wo."""
+        memory = self.kv_swa if self.kv_swa is not None and self.hp.is_swa(il) else self.kv
+        cur = memory.attend(il, q, k, v, kq_scale, max_bias=self.hp.f_max_alibi_bias,
+                            softcap=self.hp.f_attn_logit_softcapping)                    # [T, H*dv]
+        return self.linear(wo, cur, wo_b) if wo is not None else cur
 
     def ffn(self, x: Node, up: Node, gate: Node | None, down: Node, act: str = "silu",
             il: int = -1, up_b: Node | None = None, gate_b: Node | None = None,
@@ -192,14 +218,47 @@ class GraphContext:
         return self.linear(down, cur, down_b, name=("ffn_out", il))
 
     def finish(self, hidden: Node, logits: Node | None) -> GraphOutputs:
-        """Register the outputs: t_embd ("result_norm") and t_logits ("result_output")."""
+        """Register the outputs: t_embd ("result_norm"), the pooled embeddings and t_logits
+        ("result_output")."""
         self.b.name(hidden, "result_norm")
         if self.config.embeddings:
             self.b.output("embd", hidden)
+            pooled = self.pool(hidden)
+            if pooled is not None:
+                self.b.output("embd_pooled", pooled)
         if logits is not None:
             self.b.name(logits, "result_output")
             self.b.output("logits", logits)
         return GraphOutputs(logits=logits, embd=hidden)
+
+    def pool(self, embd: Node) -> Node | None:
+        """build_pooling: mean (a matmul with the inp_mean weights), cls/last (get_rows), or none."""
+        kind = self.config.pooling
+        if kind == "none":
+            return None
+        n_seqs = sym("n_seqs") if "n_seqs" in self.b.graph.dim_names else None
+        if n_seqs is None:
+            self.b.graph.dim_names = self.b.graph.dim_names + ("n_seqs",)
+            n_seqs = sym("n_seqs")
+        if kind == "mean":
+            weights = self.b.input("inp_mean", [n_seqs, self.n_out], F32)                  # [n_seqs, T]
+            pooled = self.b.mul_mat(self.b.cont(self.b.transpose(embd)), weights)          # [n_seqs, E]
+        elif kind in ("cls", "last", "rank"):
+            rows = self.b.input("inp_cls", [n_seqs], I32)
+            pooled = self.b.get_rows(embd, rows)                                           # [n_seqs, E]
+            if kind == "rank":
+                pooled = self._classifier(pooled)
+        else:
+            raise ValueError(f"pooling type {kind!r} is not supported")
+        return self.b.name(pooled, "result_embd_pooled")
+
+    def _classifier(self, x: Node) -> Node:
+        """RANK pooling's head: tanh(cls x + b), then cls_out x + b, when the model has them."""
+        if self.has("cls.weight"):
+            x = self.b.unary("tanh", self.linear(self.w("cls.weight"), x, self.w_opt("cls.bias")))
+        if self.has("cls.output.weight"):
+            x = self.linear(self.w("cls.output.weight"), x, self.w_opt("cls.output.bias"))
+        return x
 
 
 def mask_dtype(flash_attn: bool):

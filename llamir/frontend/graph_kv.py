@@ -1,11 +1,13 @@
-"""The graph side of the KV cache: cache leaves, k/v stores (set_rows) and attention over the
-cached cells, laid out exactly like llama.cpp's llama_kv_cache (cpy_k/cpy_v/get_k/get_v) and
-llm_graph_context::build_attn_mha.
+"""The graph side of attention memory: KV cache leaves, k/v stores (set_rows), reads over the
+cached cells, and attention itself, laid out like llama.cpp's llama_kv_cache (cpy_k/cpy_v/
+get_k/get_v), llm_graph_context::build_attn_mha and llama_kv_cache::build_graph_shift.
 
 Layouts (numpy order): K cache [n_stream, kv_size, n_embd_k_gqa]; V cache the same, or, when
 `v_trans` (no flash attention), transposed per stream: [n_stream, n_embd_v_gqa, kv_size].
-The runtime cells (which slot holds which position) live in the context layer, which fills the
-inputs this module declares: attn_inp_k_idxs, attn_inp_v_idxs (i64) and attn_inp_kq_mask.
+A ubatch uses `ns` consecutive streams from `s0`, with T_s tokens each (T = ns * T_s); a unified
+cache has one stream, so ns = 1, s0 = 0 and T_s = T. The runtime cells live in the context
+layer, which fills the inputs declared here (attn_inp_k_idxs, attn_inp_v_idxs, attn_inp_kq_mask,
+with a "_swa" suffix for the sliding-window cache of an iSWA model).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamir.frontend.hparams import HParams
-from llamir.ir import F16, F32, I64, DType, GraphBuilder, Node, dims
+from llamir.ir import F16, F32, I32, I64, DType, GraphBuilder, Node, dims
 from llamir.ir.dims import Dim
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of a KV cache as graphs see it."""
+    """The shape of one KV cache as graphs see it."""
 
     kv_size: int
     type_k: DType = F16
@@ -27,6 +29,7 @@ class KVLayout:
     v_trans: bool = True
     n_stream: int = 1
     layers: tuple[int, ...] = ()
+    suffix: str = ""          # "" for the main cache, "_swa" for an iSWA model's window cache
 
     def k_shape(self, hp: HParams, il: int) -> tuple[int, int, int]:
         return (self.n_stream, self.kv_size, hp.n_embd_k_gqa(il))
@@ -35,6 +38,20 @@ class KVLayout:
         if self.v_trans:
             return (self.n_stream, hp.n_embd_v_gqa(il), self.kv_size)
         return (self.n_stream, self.kv_size, hp.n_embd_v_gqa(il))
+
+    @property
+    def n_kv_dim(self) -> str:
+        return "n_kv" + self.suffix
+
+
+@dataclass(frozen=True)
+class TokenDims:
+    """How a ubatch's tokens are grouped: T = ns * T_s tokens over streams s0 .. s0+ns-1."""
+
+    T: Dim
+    T_s: Dim
+    ns: Dim
+    s0: Dim
 
 
 def cache_k_name(il: int) -> str:
@@ -45,38 +62,68 @@ def cache_v_name(il: int) -> str:
     return f"cache_v_l{il}"
 
 
-class KVGraph:
-    """Builds the KV-cache part of one graph (single stream: every token in one ubatch group)."""
+class AttentionGraph:
+    """build_attn_mha for any source of k/v: per-stream q, permuted heads, softmax or flash."""
 
-    def __init__(self, b: GraphBuilder, hp: HParams, layout: KVLayout, n_tokens: Dim, n_kv: Dim,
+    def __init__(self, b: GraphBuilder, tokens: TokenDims, flash_attn: bool):
+        self.b, self.tok, self.flash_attn = b, tokens, flash_attn
+
+    def mha(self, il: int, q: Node, k: Node, v: Node, mask: Node, kq_scale: float, max_bias: float,
+            softcap: float, v_trans: bool) -> Node:
+        """q [T, H, d]; k [S, n, Hkv, d]; v [S, n, Hkv, dv] or (v_trans) [S, dv, Hkv, n] -> [T, H*dv]."""
+        b, tok = self.b, self.tok
+        n_head, d = q.shape[-2], q.shape[-1]
+        q = b.reshape(q, tok.ns, tok.T_s, n_head, d)               # [S, T_s, H, d]
+        q = b.permute(q, 0, 2, 1, 3)                                # [S, H, T_s, d]
+        k = b.permute(k, 0, 2, 1, 3)                                # [S, Hkv, n, d]
+        v = b.permute(v, 0, 2, 1, 3)                                # [S, Hkv, n, dv] or [S, Hkv, dv, n]
+        if self.flash_attn:
+            if v_trans:
+                v = b.transpose(v)                                  # [S, Hkv, n, dv]
+            if k.dtype == F32:  # no cache: flash attention wants f16 k and v
+                k = b.cast(k, F16)
+            if v.dtype == F32:
+                v = b.cast(v, F16)
+            cur = b.flash_attn_ext(q, k, v, mask, kq_scale, max_bias, softcap, name=("__fattn__", il))
+            return b.reshape(cur, tok.T, dims.mul(n_head, cur.shape[-1]), name=("kqv_out", il))
+        kq = b.mul_mat(k, q, name=("kq", il))                       # [S, H, T_s, n]
+        if softcap:
+            kq = b.scale(b.unary("tanh", b.scale(kq, 1.0 / softcap)), softcap)
+        kq = b.soft_max_ext(kq, mask, kq_scale, max_bias, name=("kq_soft_max", il))
+        if not v_trans:
+            v = b.cont(b.transpose(v), name=("v_cont", il))          # [S, Hkv, dv, n]
+        kqv = b.mul_mat(v, kq, name=("kqv", il))                     # [S, H, T_s, dv]
+        cur = b.permute(kqv, 0, 2, 1, 3)                            # [S, T_s, H, dv]
+        return b.cont(cur, tok.T, dims.mul(n_head, kqv.shape[-1]), name=("kqv_out", il))
+
+
+class KVGraph(AttentionGraph):
+    """The KV-cache part of one graph for one cache (the main one, or the SWA one)."""
+
+    def __init__(self, b: GraphBuilder, hp: HParams, layout: KVLayout, tokens: TokenDims, n_kv: Dim,
                  flash_attn: bool):
-        if layout.n_stream != 1:
-            raise NotImplementedError("multi-stream KV graphs are built by the context layer's stream split")
-        self.b, self.hp, self.layout = b, hp, layout
-        self.T, self.n_kv = n_tokens, n_kv
-        self.flash_attn = flash_attn
-        self._k_idxs: Node | None = None
-        self._v_idxs: Node | None = None
-        self._mask: Node | None = None
+        super().__init__(b, tokens, flash_attn)
+        self.hp, self.layout, self.n_kv = hp, layout, n_kv
+        self._inputs: dict[str, Node] = {}
 
     # -- inputs -------------------------------------------------------------------------------
+    def _input(self, base: str, shape, dtype) -> Node:
+        name = base + self.layout.suffix
+        if name not in self._inputs:
+            self._inputs[name] = self.b.input(name, shape, dtype)
+        return self._inputs[name]
+
     def k_idxs(self) -> Node:
-        if self._k_idxs is None:
-            self._k_idxs = self.b.input("attn_inp_k_idxs", [self.T], I64)
-        return self._k_idxs
+        return self._input("attn_inp_k_idxs", [self.tok.T], I64)
 
     def v_idxs(self, n_embd_v_gqa: int) -> Node:
-        if self._v_idxs is None:
-            n = dims.mul(self.T, n_embd_v_gqa) if self.layout.v_trans else self.T
-            self._v_idxs = self.b.input("attn_inp_v_idxs", [n], I64)
-        return self._v_idxs
+        n = dims.mul(self.tok.T, n_embd_v_gqa) if self.layout.v_trans else self.tok.T
+        return self._input("attn_inp_v_idxs", [n], I64)
 
     def kq_mask(self) -> Node:
-        """[n_stream, 1, T, n_kv]: 0 where a token may attend a cell, -inf elsewhere."""
-        if self._mask is None:
-            dtype = F16 if self.flash_attn else F32
-            self._mask = self.b.input("attn_inp_kq_mask", [1, 1, self.T, self.n_kv], dtype)
-        return self._mask
+        """[ns, 1, T_s, n_kv]: 0 where a token may attend a cell, -inf elsewhere."""
+        return self._input("attn_inp_kq_mask", [self.tok.ns, 1, self.tok.T_s, self.n_kv],
+                           F16 if self.flash_attn else F32)
 
     # -- stores and reads -----------------------------------------------------------------------
     def _cache(self, name: str, shape: tuple[int, ...], dtype: DType) -> Node:
@@ -90,7 +137,7 @@ class KVGraph:
         lay, gqa = self.layout, self.hp.n_embd_k_gqa(il)
         cache = self._cache(cache_k_name(il), lay.k_shape(self.hp, il), lay.type_k)
         rows = self.b.reshape(cache, lay.n_stream * lay.kv_size, gqa)
-        k_2d = self.b.reshape(k_cur, self.T, gqa)
+        k_2d = self.b.reshape(k_cur, self.tok.T, gqa)
         return self.b.set_rows(rows, k_2d, self.k_idxs(), name=("k_stored", il))
 
     def cpy_v(self, il: int, v_cur: Node) -> Node:
@@ -99,61 +146,80 @@ class KVGraph:
         cache = self._cache(cache_v_name(il), lay.v_shape(self.hp, il), lay.type_v)
         if not lay.v_trans:
             rows = self.b.reshape(cache, lay.n_stream * lay.kv_size, gqa)
-            return self.b.set_rows(rows, self.b.reshape(v_cur, self.T, gqa), self.v_idxs(gqa),
+            return self.b.set_rows(rows, self.b.reshape(v_cur, self.tok.T, gqa), self.v_idxs(gqa),
                                    name=("v_stored", il))
         elements = self.b.reshape(cache, lay.n_stream * gqa * lay.kv_size, 1)
-        v_col = self.b.reshape(v_cur, dims.mul(self.T, gqa), 1)
+        v_col = self.b.reshape(v_cur, dims.mul(self.tok.T, gqa), 1)
         return self.b.set_rows(elements, v_col, self.v_idxs(gqa), name=("v_stored", il))
 
     def get_k(self, il: int, stored: Node) -> Node:
-        """[S, n_kv, Hkv, d] view of the first n_kv cells (llama_kv_cache::get_k)."""
+        """[ns, n_kv, Hkv, d] view of the first n_kv cells of streams s0.. (get_k)."""
         hp, lay = self.hp, self.layout
         es, d, gqa = lay.type_k.type_size, hp.n_embd_head_k, hp.n_embd_k_gqa(il)
-        return self.b.view(stored, [lay.n_stream, self.n_kv, hp.n_head_kv(il), d],
-                           [lay.kv_size * gqa * es, gqa * es, d * es, es], 0, name=("k", il))
+        row = lay.type_k.row_bytes(gqa)
+        return self.b.view(stored, [self.tok.ns, self.n_kv, hp.n_head_kv(il), d],
+                           [lay.kv_size * row, row, lay.type_k.row_bytes(d), es],
+                           dims.mul(self.tok.s0, lay.kv_size * row), name=("k", il))
 
     def get_v(self, il: int, stored: Node) -> Node:
-        """[S, n_kv, Hkv, dv] rows, or transposed [S, dv, Hkv, n_kv] (llama_kv_cache::get_v)."""
+        """[ns, n_kv, Hkv, dv] rows, or transposed [ns, dv, Hkv, n_kv] (get_v)."""
         hp, lay = self.hp, self.layout
         es, d, gqa = lay.type_v.type_size, hp.n_embd_head_v, hp.n_embd_v_gqa(il)
+        row = lay.type_v.row_bytes(gqa)
+        stream = lay.kv_size * row
         if not lay.v_trans:
-            return self.b.view(stored, [lay.n_stream, self.n_kv, hp.n_head_kv(il), d],
-                               [lay.kv_size * gqa * es, gqa * es, d * es, es], 0, name=("v", il))
-        return self.b.view(stored, [lay.n_stream, d, hp.n_head_kv(il), self.n_kv],
-                           [lay.kv_size * gqa * es, lay.kv_size * es, lay.kv_size * d * es, es], 0,
+            return self.b.view(stored, [self.tok.ns, self.n_kv, hp.n_head_kv(il), d],
+                               [stream, row, lay.type_v.row_bytes(d), es], dims.mul(self.tok.s0, stream),
+                               name=("v", il))
+        return self.b.view(stored, [self.tok.ns, d, hp.n_head_kv(il), self.n_kv],
+                           [stream, lay.kv_size * es, lay.kv_size * d * es, es], dims.mul(self.tok.s0, stream),
                            name=("v", il))
 
-    # -- attention ------------------------------------------------------------------------------
     def attend(self, il: int, q: Node, k_cur: Node, v_cur: Node, kq_scale: float, max_bias: float = 0.0,
                softcap: float = 0.0) -> Node:
         """Store this ubatch's k/v, then attend q [T, H, d] over the cache -> [T, H*dv]."""
         k = self.get_k(il, self.cpy_k(il, k_cur))
         v = self.get_v(il, self.cpy_v(il, v_cur))
-        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap)
+        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, self.layout.v_trans)
 
-    def mha(self, il: int, q: Node, k: Node, v: Node, mask: Node, kq_scale: float, max_bias: float,
-            softcap: float) -> Node:
-        """build_attn_mha: per-stream q, permuted heads, soft_max or flash attention."""
-        b, hp = self.b, self.hp
-        n_head, d = q.shape[-2], q.shape[-1]
-        v_trans = self.layout.v_trans
-        q = b.reshape(q, 1, self.T, n_head, d)                      # [S, T, H, d]
-        q = b.permute(q, 0, 2, 1, 3)                                # [S, H, T, d]
-        k = b.permute(k, 0, 2, 1, 3)                                # [S, Hkv, n_kv, d]
-        v = b.permute(v, 0, 2, 1, 3)                                # [S, Hkv, n_kv, dv] or [S, Hkv, dv, n_kv]
-        if self.flash_attn:
-            if v_trans:
-                v = b.transpose(v)                                  # [S, Hkv, n_kv, dv]
-            cur = b.flash_attn_ext(q, k, v, mask, kq_scale, max_bias, softcap, name=("__fattn__", il))
-            dv = cur.shape[-1]
-            return b.reshape(cur, self.T, dims.mul(n_head, dv), name=("kqv_out", il))  # [T, H*dv]
-        kq = b.mul_mat(k, q, name=("kq", il))                       # [S, H, T, n_kv]
-        if softcap:
-            kq = b.scale(b.unary("tanh", b.scale(kq, 1.0 / softcap)), softcap)
-        kq = b.soft_max_ext(kq, mask, kq_scale, max_bias, name=("kq_soft_max", il))
-        if not v_trans:
-            v = b.cont(b.transpose(v), name=("v_cont", il))          # [S, Hkv, dv, n_kv]
-        kqv = b.mul_mat(v, kq, name=("kqv", il))                     # [S, H, T, dv]
-        cur = b.permute(kqv, 0, 2, 1, 3)                            # [S, T, H, dv]
-        dv = kqv.shape[-1]
-        return b.cont(cur, self.T, dims.mul(n_head, dv), name=("kqv_out", il))   # [T, H*dv]
+
+class NoCacheGraph(AttentionGraph):
+    """Attention over the ubatch itself (encoders and embedding models): mask [1, 1, T, T]."""
+
+    def __init__(self, b: GraphBuilder, tokens: TokenDims, flash_attn: bool, suffix: str = ""):
+        super().__init__(b, tokens, flash_attn)
+        self.suffix = suffix
+        self._mask: Node | None = None
+
+    def kq_mask(self) -> Node:
+        if self._mask is None:
+            self._mask = self.b.input("attn_inp_kq_mask" + self.suffix, [1, 1, self.tok.T, self.tok.T],
+                                      F16 if self.flash_attn else F32)
+        return self._mask
+
+    def attend(self, il: int, q: Node, k_cur: Node, v_cur: Node, kq_scale: float, max_bias: float = 0.0,
+               softcap: float = 0.0) -> Node:
+        k = self.b.reshape(k_cur, 1, *k_cur.shape)                   # [1, T, Hkv, d]
+        v = self.b.reshape(v_cur, 1, *v_cur.shape)
+        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, v_trans=False)
+
+
+def build_shift_graph(hp: HParams, layout: KVLayout, rope_mode: int, rope, freq_base_of, name: str = "k_shift"):
+    """llama_kv_cache::build_graph_shift: re-rope every cached K row by its cell's accumulated
+    shift (input "k_shift" i32 [n_stream*kv_size]); written back in place through set_rows."""
+    b = GraphBuilder(name)
+    n_rows = layout.n_stream * layout.kv_size
+    shift = b.input("k_shift", [n_rows], I32)
+    rows = b.input("k_shift_rows", [n_rows], I64)  # 0..n_rows-1: every row is written back
+    for il in layout.layers:
+        cache = b.state(cache_k_name(il), layout.k_shape(hp, il), layout.type_k)
+        k = b.reshape(cache, n_rows, hp.n_head_kv(il), hp.n_embd_head_k)              # [S*kv, Hkv, d]
+        k32 = k if layout.type_k in (F16, F32) else b.cast(k, F32)                   # quantized: via f32
+        roped = b.rope_ext(k32, shift, n_dims=hp.n_rot, mode=rope_mode, n_ctx_orig=rope.n_ctx_orig,
+                           freq_base=freq_base_of(il), freq_scale=rope.freq_scale, ext_factor=rope.ext_factor,
+                           attn_factor=rope.attn_factor, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
+                           name=("k_shifted", il))
+        out = b.set_rows(b.reshape(cache, n_rows, hp.n_embd_k_gqa(il)),
+                         b.reshape(roped, n_rows, hp.n_embd_k_gqa(il)), rows)
+        b.output(f"k_l{il}", out)
+    return b.graph

@@ -45,7 +45,7 @@ def test_prompt_then_one_token_at_a_time_equals_one_batch(model):
 def test_batch_larger_than_n_ubatch_is_split(model):
     ctx = _ctx(model, n_ubatch=3)
     assert ctx.decode(llamir.Batch.from_tokens(TOKENS, logits="all")) == 0
-    np.testing.assert_allclose(ctx.get_logits(), _logits(model, TOKENS), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ctx.get_logits(), _logits(model, TOKENS), rtol=0, atol=2e-4)
     assert ctx.memory.seq_pos_max(0) == len(TOKENS) - 1
 
 
@@ -57,8 +57,8 @@ def test_outputs_follow_the_logits_flags(model):
     assert ctx.get_logits().shape == (sum(flags), model.hparams.n_vocab)
     for i, f in enumerate(flags):
         if f:
-            np.testing.assert_allclose(ctx.get_logits_ith(i), full[i], atol=1e-5)
-    np.testing.assert_allclose(ctx.get_logits_ith(-1), full[9], atol=1e-5)
+            np.testing.assert_allclose(ctx.get_logits_ith(i), full[i], atol=2e-4)
+    np.testing.assert_allclose(ctx.get_logits_ith(-1), full[9], atol=2e-4)
     with pytest.raises(IndexError, match=r"batch.logits\[1\] != true"):
         ctx.get_logits_ith(1)
     with pytest.raises(IndexError, match="out of range"):
