@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from llamir.ir import dims, ops
+from llamir.ir import interp_fused as _fused  # noqa: F401  (registers the fused ops' kernels)
 from llamir.ir.dims import Bindings
 from llamir.ir.dtypes import DType
 from llamir.ir.graph import Graph, Node
