@@ -204,28 +204,46 @@ def _fill(ctx, node, args, bindings):
 
 
 # -- normalisation -----------------------------------------------------------------------
+def _row_sums(x: np.ndarray) -> np.ndarray:
+    """`ggml_float sum += x[i]` over the last axis, in order (np.sum would pair the terms up)."""
+    if x.shape[-1] == 0:
+        return np.zeros(x.shape[:-1] + (1,))
+    return np.add.accumulate(x.astype(np.float64), axis=-1)[..., -1:]
+
+
 @kernel(ops.RmsNorm)
 def _rms_norm(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
-    mean = (np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32)
+    mean = (_row_sums(x * x) / x.shape[-1]).astype(f32)
     scale = (f32(1) / np.sqrt(mean + f32(node.op.eps))).astype(f32)
     return from_f32(x * scale, node.dtype)
+
+
+def _centred_variance(centred: np.ndarray) -> np.ndarray:
+    """ggml_vec_cvar_f32's sum of squares: 16-lane float32 chunks reduced by _mm512_reduce_add_ps,
+    then the tail one by one, all into a float64; divided by n."""
+    n = centred.shape[-1]
+    k = n - n % 16
+    squares = centred * centred
+    chunks = ggml_math.reduce_add_16(squares[..., :k].reshape(squares.shape[:-1] + (k // 16, 16)))
+    terms = np.concatenate([chunks, squares[..., k:]], axis=-1)
+    return _row_sums(terms) / n
 
 
 @kernel(ops.Norm)
 def _norm(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
-    mean = (np.sum(x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32)
+    mean = _row_sums(x).astype(f32) / f32(x.shape[-1])   # ggml_vec_sum_f32, then a float division
     centred = x - mean
-    var = (np.sum(centred * centred, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32)
+    var = _centred_variance(centred).astype(f32)
     return from_f32(centred * (f32(1) / np.sqrt(var + f32(node.op.eps))), node.dtype)
 
 
 @kernel(ops.L2Norm)
 def _l2_norm(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
-    norm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True, dtype=np.float64)).astype(f32)
-    return from_f32(x / np.maximum(norm, f32(node.op.eps)), node.dtype)
+    norm = np.sqrt(_row_sums(x * x).astype(f32))
+    return from_f32(x * (f32(1) / np.maximum(norm, f32(node.op.eps))), node.dtype)
 
 
 @kernel(ops.GroupNorm)
@@ -247,20 +265,20 @@ def _group_norm(ctx, node, args, bindings):
 @kernel(ops.SumRows)
 def _sum_rows(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
-    return from_f32(np.sum(x, axis=-1, keepdims=True, dtype=np.float64).astype(f32), node.dtype)
+    return from_f32(_row_sums(x).astype(f32), node.dtype)
 
 
 @kernel(ops.Mean)
 def _mean(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
-    return from_f32((np.sum(x, axis=-1, keepdims=True, dtype=np.float64) / x.shape[-1]).astype(f32),
-                    node.dtype)
+    return from_f32(_row_sums(x).astype(f32) / f32(x.shape[-1]), node.dtype)
 
 
 @kernel(ops.Sum)
 def _sum(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
-    return from_f32(np.array([np.sum(x, dtype=np.float64)], dtype=f32), node.dtype)
+    rows = _row_sums(x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1))
+    return from_f32(_row_sums(rows.reshape(1, -1)).reshape(1).astype(f32), node.dtype)
 
 
 @kernel(ops.Argsort)

@@ -24,16 +24,13 @@ def _cached(ctx, a: np.ndarray, dtype: DType, what: str, make):
 
 def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool) -> np.ndarray:
     """b [N, K] f32 @ a[M, K].T -> [N, M] f32, with b rounded to a's vec_dot_type (ggml CPU)."""
-    if a_dtype == F32:
-        return b @ a.T
     from llamir.ir import quants, quants_x86
 
-    if a_dtype in (F16, BF16):
+    if a_dtype in (F32, F16):
+        return quants_x86.mul_mat_float(a, b)
+    if a_dtype == BF16:
         a32 = _cached(ctx, a, a_dtype, "f32", lambda: to_f32(a, a_dtype)) if cacheable else to_f32(a, a_dtype)
-        if a_dtype == F16:
-            return quants_x86.mul_mat_f16(a32, b)
         return to_f32(from_f32(b, BF16), BF16) @ a32.T
-
     if a_dtype.name in quants_x86.EXACT_TYPES:
         w = _cached(ctx, a, a_dtype, "x86", lambda: quants_x86.prepare(a, a_dtype)) if cacheable \
             else quants_x86.prepare(a, a_dtype)
