@@ -1,5 +1,6 @@
 """Backends by name: the built-ins, plus plugins registered under the `llamir.backends`
-entry-point group (loaded lazily, on first lookup of an unknown name)."""
+entry-point group (loaded lazily, on first lookup of an unknown name), and device specs
+(`cpu`, `null[:NAME]`, `sim:NAME[:KEY=VALUE]...`, or any backend name) for the scheduler."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def _lazy(module: str, cls: str) -> Callable[[], Backend]:
 BUILTINS: dict[str, Callable[[], Backend]] = {
     "numpy": _numpy,
     "llvm": _lazy("llamir.backends.llvm", "LLVMBackend"),
+    "sim": _lazy("llamir.backends.sim", "SimBackend"),
+    "null": _lazy("llamir.backends.null", "NullBackend"),
 }
 _plugins: dict[str, Callable[[], Backend]] | None = None
 
@@ -56,3 +59,38 @@ def get_backend(name: str) -> Backend:
         factory = plugins[name]()
         return factory() if callable(factory) else factory
     raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
+
+
+def backend_from_spec(spec: str) -> Backend:
+    """A device for the scheduler from its text spec:
+
+        cpu | numpy          the host CPU (numpy reference)
+        null | null:NAME     claims every op, runs nothing
+        sim:NAME[:KEY=VAL]   a simulated device (see llamir.backends.sim.spec)
+        NAME                 any registered backend or plugin (llvm, cuda, ...)
+    """
+    from llamir.backends.sim.spec import SpecError
+
+    text = spec.strip()
+    if not text:
+        raise SpecError("empty device spec")
+    head, _, rest = text.partition(":")
+    if head in ("cpu", "numpy"):
+        if rest:
+            raise SpecError(f"device spec {spec!r}: the CPU takes no options")
+        return _numpy()
+    if head == "null":
+        from llamir.backends.null import NullBackend
+
+        return NullBackend(rest or "null")
+    if head == "sim":
+        from llamir.backends.sim import SimBackend
+
+        return SimBackend.from_spec(text)
+    if rest:
+        raise SpecError(f"device spec {spec!r}: unknown device kind {head!r} (cpu, null[:NAME], "
+                        f"sim:NAME[:KEY=VALUE]..., or a backend: {', '.join(available_backends())})")
+    try:
+        return get_backend(head)
+    except BackendError as err:
+        raise SpecError(f"device spec {spec!r}: {err}") from None

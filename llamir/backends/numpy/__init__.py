@@ -1,10 +1,9 @@
-"""The numpy backend: the reference interpreter behind the backend interface."""
+"""The numpy backend: the reference interpreter behind the backend interface (the CPU device)."""
 
 from __future__ import annotations
 
-from llamir.backends.base import Backend
+from llamir.backends.base import Backend, Device, cpu_device, op_supported_by_numpy
 from llamir.ir import Graph, Interpreter
-from llamir.ir.interp_kernels import KERNELS
 
 
 class NumpyBackend(Backend):
@@ -12,11 +11,13 @@ class NumpyBackend(Backend):
 
     name = "numpy"
 
-    def __init__(self) -> None:
+    def __init__(self, device: Device | None = None) -> None:
+        self.device = device if device is not None else cpu_device()
         self.interp = Interpreter(cache_weights=True)
+        self.plain = Interpreter(cache_weights=False)  # for weights copied into reused compute memory
 
     def supports_op(self, node) -> bool:
-        return node.op.is_view or type(node.op) in KERNELS
+        return op_supported_by_numpy(node)
 
     def compile(self, graph: Graph):
         interp = self.interp
@@ -25,3 +26,10 @@ class NumpyBackend(Backend):
             return interp.run(graph, leaf_values, bindings, observe)
 
         return run
+
+    def graph_compute(self, run, memory, observe=None) -> bool:
+        """Node by node, each result written into its allocated slot (llamir.passes.sched_exec)."""
+        from llamir.passes.sched_exec import evaluate_split
+
+        self.stats.n_graph_computes += 1
+        return evaluate_split(run, memory, self.interp, self.plain, observe)
