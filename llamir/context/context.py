@@ -1,21 +1,23 @@
 """Context: llama_context in Python. decode() runs batches through the model's graph over the
-KV cache and keeps the outputs; the getters mirror llama.h."""
+memory (KV cache) and keeps the outputs; encode() runs the non-causal path; the getters, the
+sequence operations on `ctx.memory`, state and perf mirror llama.h."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
 
 from llamir.backends import Backend, BackendError, get_backend
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
-from llamir.context.graph_inputs import (
-    GraphParams, GraphResult, InputAttnKV, InputEmbd, InputOutIds, InputPos,
-)
-from llamir.context.kv_cache import KVCache, KVCacheContext, MemoryStatus
+from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
+from llamir.context.kv_cache import KVCache, MemoryStatus
+from llamir.context.kv_cache_iswa import KVCacheISWA
+from llamir.context.memory_update import MemoryUpdater
+from llamir.context.outputs import Outputs
 from llamir.context.params import ContextParams, CParams, resolve
+from llamir.context.perf import Perf
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.model import Model
 from llamir.ir import IRError
@@ -41,34 +43,38 @@ class Context:
 
     def __init__(self, model: Model, params: ContextParams | None = None, *, backend: str | Backend = "numpy",
                  **kwargs):
-        self.model = model
-        self.params = params if params is not None else ContextParams(**kwargs)
         if params is not None and kwargs:
             raise TypeError("pass either a ContextParams or keyword parameters, not both")
+        self.model = model
+        self.params = params if params is not None else ContextParams(**kwargs)
         self.cparams: CParams = resolve(self.params, model.hparams)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         if self.cparams.auto_fa:
             self.cparams = self.cparams.with_flash_attn(self._backend_runs_flash_attn())
         hp = model.hparams
-        self.memory = KVCache(hp, self.cparams.n_ctx_seq, self.cparams.n_seq_max, unified=self.cparams.kv_unified,
-                              type_k=self.cparams.type_k, type_v=self.cparams.type_v,
-                              v_trans=not self.cparams.flash_attn)
+        self.memory = self._create_memory()
         self.balloc = BatchAllocator()
-        self.n_vocab = hp.n_vocab
-        self.logits = np.zeros((0, self.n_vocab), dtype=np.float32)
-        self.embd = np.zeros((0, hp.n_embd), dtype=np.float32)
-        self.output_ids = np.full(self.cparams.n_batch, -1, dtype=np.int64)
-        self.n_outputs = 0
+        self.outputs = Outputs(hp.n_vocab, hp.n_embd, self.cparams.n_batch, self.cparams.n_seq_max,
+                               has_embd=self.cparams.embeddings)
         self.last_error = ""
         self.abort_callback: Callable[[], bool] | None = None
-        self.cb_eval: Callable | None = None
-        self.n_reused = 0
+        self.cb_eval: Callable[[str, np.ndarray | None, bool], bool] | None = None
+        self.perf_counters = Perf(enabled=not self.cparams.no_perf, t_load_ms=getattr(model, "t_load_ms", 0.0))
         self._prev: GraphResult | None = None
         self._compiled: dict[GraphConfig, tuple] = {}
         self._weights: dict[str, np.ndarray] = {}
-        self.t_start = time.perf_counter()
+        self._updater = MemoryUpdater(model, self.backend, self.cparams.rope)
 
-    # -- graphs -----------------------------------------------------------------------------------
+    # -- construction -----------------------------------------------------------------------------
+    def _create_memory(self):
+        """llama_model::create_memory: no memory for non-causal encoders, iSWA for window models."""
+        hp, cp = self.model.hparams, self.cparams
+        common = dict(n_seq_max=cp.n_seq_max, unified=cp.kv_unified, type_k=cp.type_k, type_v=cp.type_v,
+                      v_trans=not cp.flash_attn)
+        if hp.n_swa and any(hp.swa_layers):
+            return KVCacheISWA(hp, cp.n_ctx_seq, swa_full=cp.swa_full, n_ubatch=cp.n_ubatch, **common)
+        return KVCache(hp, cp.n_ctx_seq, **common)
+
     def _backend_runs_flash_attn(self) -> bool:
         """flash_attn=auto: build the graph with flash attention and keep it only if the backend
         supports every __fattn__ node (llama.cpp checks where the scheduler put them)."""
@@ -81,12 +87,15 @@ class Context:
         graph = self.model.build_graph(config)
         return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
 
-    def graph_config(self, has_tokens: bool) -> GraphConfig:
-        return GraphConfig(kv=self.memory.layout, rope=self.cparams.rope, flash_attn=self.cparams.flash_attn,
-                           causal_attn=self.cparams.causal_attn, input_kind="tokens" if has_tokens else "embd",
-                           embeddings=self.cparams.embeddings)
+    def graph_config(self, has_tokens: bool, encoder: bool = False) -> GraphConfig:
+        cp = self.cparams
+        return GraphConfig(kv=None if encoder else self.memory.layout,
+                           kv_swa=None if encoder else getattr(self.memory, "layout_swa", None),
+                           rope=cp.rope, flash_attn=cp.flash_attn, causal_attn=cp.causal_attn and not encoder,
+                           input_kind="tokens" if has_tokens else "embd", embeddings=cp.embeddings,
+                           pooling=cp.pooling_type if cp.embeddings else "none")
 
-    def _compiled_graph(self, config: GraphConfig):
+    def compiled_graph(self, config: GraphConfig):
         """The symbolic graph for `config` and its executable, built once and kept."""
         if config not in self._compiled:
             graph = self.model.build_graph(config)
@@ -99,41 +108,40 @@ class Context:
                 self._weights.setdefault(leaf.name, self.model.weight_array(leaf.name))
         return self._compiled[config]
 
-    def _build_result(self, ubatch: UBatch, mctx: KVCacheContext, params: GraphParams) -> GraphResult:
-        graph, executable = self._compiled_graph(self.graph_config(ubatch.tokens is not None))
-        hp = self.model.hparams
-        mask_dtype = np.float16 if self.cparams.flash_attn else np.float32
-        inputs = [InputEmbd(ubatch.tokens is not None), InputPos(), InputOutIds(n_outputs=params.n_outputs),
-                  InputAttnKV(mctx, hp.n_embd_v_gqa(), self.cparams.causal_attn, mask_dtype,
-                              alibi=hp.f_max_alibi_bias > 0)]
-        return GraphResult(graph, executable, params, inputs)
-
     # -- decode -----------------------------------------------------------------------------------
     def decode(self, batch: Batch) -> int:
         """llama_decode: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, -2 memory, -3 compute."""
         self.last_error = ""
-        hp = self.model.hparams
+        hp, cp = self.model.hparams, self.cparams
         if batch.n_tokens == 0:
             return self._fail(DECODE_INVALID, "n_tokens == 0")
-        n_seq_max = LLAMA_MAX_SEQ if self.cparams.kv_unified else self.cparams.n_seq_max
+        n_seq_max = LLAMA_MAX_SEQ if cp.kv_unified else cp.n_seq_max
         try:
-            self.balloc.init(batch, hp.n_vocab, self.memory, hp.n_embd, n_seq_max, self.cparams.embeddings)
+            self.balloc.init(batch, hp.n_vocab, self.memory, hp.n_embd, n_seq_max, cp.embeddings)
         except BatchError as err:
             return self._fail(DECODE_INVALID, f"invalid batch: {err}")
         n_tokens_all = self.balloc.n_tokens
-        if n_tokens_all > self.cparams.n_batch:
-            return self._fail(DECODE_INVALID, f"n_tokens = {n_tokens_all} > n_batch = {self.cparams.n_batch}")
-        if not self.cparams.causal_attn and self.cparams.n_ubatch < n_tokens_all:
+        if n_tokens_all > cp.n_batch:
+            return self._fail(DECODE_INVALID, f"n_tokens = {n_tokens_all} > n_batch = {cp.n_batch}")
+        if not cp.causal_attn and cp.n_ubatch < n_tokens_all:
             return self._fail(DECODE_INVALID, "non-causal attention requires n_ubatch >= n_tokens")
+        self.perf_counters.start(n_tokens_all)
+        self.outputs.begin_batch()
+        try:
+            self.memory_update()
+        except RuntimeError as err:
+            return self._fail(DECODE_ALLOC, f"memory update failed: {err}")
         n_outputs_all = self.balloc.n_outputs
-        mctx = self.memory.init_batch(self.balloc, self.cparams.n_ubatch, self.cparams.embeddings)
+        mctx = self.memory.init_batch(self.balloc, cp.n_ubatch, cp.embeddings)
+        if mctx.status == MemoryStatus.FAILED_PREPARE and self.memory_update():
+            mctx = self.memory.init_batch(self.balloc, cp.n_ubatch, cp.embeddings)
         if mctx.status == MemoryStatus.FAILED_PREPARE:
             log.warning("decode: failed to find a memory slot for batch of size %d", n_tokens_all)
             self.last_error = f"failed to find a memory slot for batch of size {n_tokens_all}"
             return DECODE_NO_SLOT
         if mctx.status != MemoryStatus.SUCCESS:
             return self._fail(DECODE_ALLOC, f"unexpected memory context status {mctx.status.name}")
-        self._output_reserve(n_outputs_all)
+        self.outputs.reserve(n_outputs_all)
         n_outputs_prev = 0
         while True:
             ubatch = mctx.get_ubatch()
@@ -145,42 +153,65 @@ class Context:
             n_outputs_prev += n_outputs
             if not mctx.next():
                 break
-        self.n_outputs = n_outputs_all
-        self._map_outputs()
+        self.outputs.finish(self.balloc.out_ids, n_outputs_all)
+        self.perf_counters.stop()
         return DECODE_OK
 
-    def _process_ubatch(self, ubatch: UBatch, mctx: KVCacheContext, n_outputs: int,
-                        n_outputs_prev: int) -> tuple[int, str]:
+    def _process_ubatch(self, ubatch: UBatch, mctx, n_outputs: int, n_outputs_prev: int,
+                        encoder: bool = False) -> tuple[int, str]:
         if self.abort_callback is not None and self.abort_callback():
             return DECODE_ABORTED, "aborted by the abort callback"
-        mctx.apply()
-        params = GraphParams.of(ubatch, n_outputs, self.cparams.embeddings, self.cparams.causal_attn)
+        if mctx is not None:
+            mctx.apply()
+        gtype = "encoder" if encoder else "decoder"
+        params = GraphParams.of(ubatch, n_outputs, self.cparams.embeddings, self.cparams.causal_attn and not encoder,
+                                gtype)
         if self.cparams.graph_reuse and self._prev is not None and self._prev.can_reuse(params, mctx):
-            self.n_reused += 1
+            self.perf_counters.n_reused += 1
             result = self._prev
         else:
             try:
-                result = self._build_result(ubatch, mctx, params)
+                graph, executable = self.compiled_graph(self.graph_config(ubatch.tokens is not None, encoder))
+                result = GraphResult(graph, executable, params,
+                                     build_inputs(self, graph, ubatch, mctx, params, encoder))
             except (IRError, BackendError) as err:
                 return DECODE_COMPUTE, f"failed to build the graph: {err}"
             self._prev = result
         values = result.set_inputs(ubatch)
         values.update(self._weights)
-        values.update(self.memory.buffers)
-        bindings = {"T": ubatch.n_tokens, "n_kv": mctx.n_kv, "n_out": n_outputs}
+        if mctx is not None:
+            values.update(self.memory.buffers)
+        bindings = self._bindings(result.graph, ubatch, mctx, n_outputs)
         try:
-            outputs = result.executable(values, bindings, self._observer())
+            out = result.executable(values, bindings, self._observer())
         except AbortedError:
             return DECODE_ABORTED, "aborted during compute"
         except MemoryError as err:
             return DECODE_ALLOC, f"out of memory: {err}"
         except Exception as err:  # noqa: BLE001 - any backend failure is a compute failure (-3)
             return DECODE_COMPUTE, f"compute failed: {type(err).__name__}: {err}"
-        if n_outputs and "logits" in outputs:
-            self.logits[n_outputs_prev:n_outputs_prev + n_outputs] = outputs["logits"]
-        if n_outputs and self.cparams.embeddings and "embd" in outputs:
-            self.embd[n_outputs_prev:n_outputs_prev + n_outputs] = outputs["embd"]
+        self._extract(ubatch, out, n_outputs, n_outputs_prev)
         return DECODE_OK, ""
+
+    def _bindings(self, graph, ubatch: UBatch, mctx, n_outputs: int) -> dict[str, int]:
+        bindings = {"n_out": n_outputs}
+        if mctx is not None:
+            bindings.update(mctx.bindings(ubatch.n_tokens))
+        if "T" in graph.dim_names:
+            bindings["T"] = ubatch.n_tokens
+        if "n_seqs" in graph.dim_names:
+            bindings["n_seqs"] = ubatch.n_seqs_unq
+        return bindings
+
+    def _extract(self, ubatch: UBatch, out: dict, n_outputs: int, row0: int) -> None:
+        """Copy this ubatch's outputs: logits rows, embeddings rows, or pooled per-sequence vectors."""
+        if not n_outputs:
+            return
+        pooled = out.get("embd_pooled")
+        self.outputs.write(row0, out.get("logits"), out.get("embd") if pooled is None else None)
+        if pooled is not None:
+            for s, seq_id in enumerate(ubatch.seq_id_unq):
+                self.outputs.embd_seq[seq_id] = np.array(pooled[s], dtype=np.float32)
 
     def _observer(self):
         if self.cb_eval is None and self.abort_callback is None:
@@ -189,8 +220,8 @@ class Context:
         def observe(node, value) -> bool:
             if self.abort_callback is not None and self.abort_callback():
                 raise AbortedError()
-            if self.cb_eval is not None:
-                return self.cb_eval(node.name, value) is not False
+            if self.cb_eval is not None and self.cb_eval(node.name, None, True):
+                return self.cb_eval(node.name, value, False) is not False
             return True
 
         return observe
@@ -209,63 +240,86 @@ class Context:
         log.error("decode: %s (returning %d)", message, code)
         return code
 
-    # -- outputs ----------------------------------------------------------------------------------
-    def _output_reserve(self, n_outputs: int) -> None:
-        n_max = max(n_outputs, self.cparams.n_seq_max)
-        if self.logits.shape[0] < n_max:
-            self.logits = np.zeros((n_max, self.n_vocab), dtype=np.float32)
-        if self.cparams.embeddings and self.embd.shape[0] < n_max:
-            self.embd = np.zeros((n_max, self.model.hparams.n_embd), dtype=np.float32)
-        self.output_ids[:] = -1
-        self.n_outputs = 0
+    # -- encode -----------------------------------------------------------------------------------
+    def encode(self, batch: Batch) -> int:
+        """llama_encode: one non-causal ubatch, every token an output, no memory; the embeddings
+        (pooled per sequence unless pooling is none) come back through get_embeddings*."""
+        self.last_error = ""
+        hp = self.model.hparams
+        if batch.n_tokens == 0:
+            return self._fail(DECODE_INVALID, "n_tokens == 0")
+        try:
+            self.balloc.init(batch, hp.n_vocab, None, hp.n_embd, self.cparams.n_seq_max, True)
+        except BatchError as err:
+            return self._fail(DECODE_INVALID, f"invalid batch: {err}")
+        if self.cparams.n_ubatch < self.balloc.n_tokens:
+            return self._fail(DECODE_INVALID, f"encode needs n_ubatch >= n_tokens ({self.balloc.n_tokens})")
+        self.perf_counters.start(self.balloc.n_tokens)
+        self.outputs.begin_batch()
+        ubatch = self.balloc.split_simple(self.balloc.n_tokens)
+        self.outputs.reserve(ubatch.n_tokens)
+        status, message = self._process_ubatch(ubatch, None, ubatch.n_tokens, 0, encoder=True)
+        if status != DECODE_OK:
+            return self._fail(status, message)
+        self.outputs.finish(self.balloc.out_ids, ubatch.n_tokens)
+        self.perf_counters.stop()
+        return DECODE_OK
 
-    def _map_outputs(self) -> None:
-        """output_ids[batch index] = row; rows come in ubatch order, which is batch order for
-        simple splits. Equal splits are put back in batch order here (llama.cpp's swaps)."""
-        out_ids = np.asarray(self.balloc.out_ids, dtype=np.int64)
-        order = np.argsort(out_ids, kind="stable")
-        if np.any(order != np.arange(len(order))):
-            self.logits[:len(order)] = self.logits[order]
-            if self.cparams.embeddings:
-                self.embd[:len(order)] = self.embd[order]
-            out_ids = out_ids[order]
-        self.output_ids[:] = -1
-        self.output_ids[out_ids] = np.arange(len(out_ids))
+    # -- memory -----------------------------------------------------------------------------------
+    def memory_update(self) -> bool:
+        """Apply pending K-shifts and stream copies (llama_memory_update); True if any ran."""
+        return self._updater.update(self.memory)
+
+    # -- outputs ----------------------------------------------------------------------------------
+    @property
+    def n_outputs(self) -> int:
+        return self.outputs.n_outputs
 
     def get_logits(self) -> np.ndarray:
         """All output rows [n_outputs, n_vocab], in batch order."""
-        return self.logits[:self.n_outputs]
+        self.outputs.reorder()
+        return self.outputs.logits[:self.outputs.n_outputs]
 
     def get_logits_ith(self, i: int) -> np.ndarray:
         """The logits of batch token i (negative: from the last output backwards)."""
-        return self.logits[self._output_row(i)]
+        return self.outputs.logits[self.outputs.row(i)]
 
     def get_embeddings(self) -> np.ndarray:
-        if not self.cparams.embeddings:
-            raise ValueError("embeddings are off for this context (create it with embeddings=True)")
-        return self.embd[:self.n_outputs]
+        self._require_embeddings()
+        self.outputs.reorder()
+        return self.outputs.embd[:self.outputs.n_outputs]
 
     def get_embeddings_ith(self, i: int) -> np.ndarray:
+        self._require_embeddings()
+        return self.outputs.embd[self.outputs.row(i)]
+
+    def get_embeddings_seq(self, seq_id: int) -> np.ndarray:
+        """The pooled embedding of a sequence (pooling mean/cls/last/rank)."""
+        self._require_embeddings()
+        if self.cparams.pooling_type == "none":
+            raise ValueError("pooling is none: use get_embeddings_ith for per-token embeddings")
+        if seq_id not in self.outputs.embd_seq:
+            raise KeyError(f"no pooled embedding for sequence {seq_id} in the last batch")
+        return self.outputs.embd_seq[seq_id]
+
+    def _require_embeddings(self) -> None:
         if not self.cparams.embeddings:
             raise ValueError("embeddings are off for this context (create it with embeddings=True)")
-        return self.embd[self._output_row(i)]
 
-    def _output_row(self, i: int) -> int:
-        if self.n_outputs == 0:
-            raise IndexError("no outputs: decode a batch that asks for logits first")
-        if i < 0:
-            j = self.n_outputs + i
-            if j < 0:
-                raise IndexError(f"negative index {i} out of range [-{self.n_outputs}, 0)")
-            return j
-        if i >= len(self.output_ids):
-            raise IndexError(f"out of range [0, {len(self.output_ids)})")
-        j = int(self.output_ids[i])
-        if j < 0:
-            raise IndexError(f"batch.logits[{i}] != true: token {i} asked for no output")
-        if j >= self.n_outputs:
-            raise IndexError(f"corrupt output buffer (j={j}, n_outputs={self.n_outputs})")
-        return j
+    # -- perf -------------------------------------------------------------------------------------
+    def perf(self) -> dict[str, float]:
+        """llama_perf_context: load/prompt-eval/eval times (ms) and counts, and graph reuses."""
+        return self.perf_counters.data()
+
+    def perf_print(self, file=None) -> None:
+        self.perf_counters.print(file)
+
+    def perf_reset(self) -> None:
+        self.perf_counters.reset()
+
+    @property
+    def n_reused(self) -> int:
+        return self.perf_counters.n_reused
 
     # -- conveniences -----------------------------------------------------------------------------
     @property
@@ -279,3 +333,7 @@ class Context:
     @property
     def n_ubatch(self) -> int:
         return self.cparams.n_ubatch
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.cparams.n_seq_max

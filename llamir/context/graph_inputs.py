@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llamir.context.batch import UBatch
-from llamir.context.kv_cache import KVCacheContext
+from llamir.context.kv_cache import KVCacheContext, is_masked_swa
 
 
 @dataclass(frozen=True)
@@ -113,33 +113,137 @@ class InputOutIds(GraphInput):
 
 @dataclass
 class InputAttnKV(GraphInput):
-    """attn_inp_k_idxs, attn_inp_v_idxs and attn_inp_kq_mask from the KV cache context."""
+    """attn_inp_k_idxs, attn_inp_v_idxs and attn_inp_kq_mask (+ suffix) from one cache's context."""
 
     mctx: KVCacheContext
     n_embd_v_gqa: int
     causal: bool
     mask_dtype: np.dtype
     alibi: bool = False
+    suffix: str = ""
     n_tokens: int = 0
     n_kv: int = 0
-    leaf_names = ("attn_inp_k_idxs", "attn_inp_v_idxs", "attn_inp_kq_mask")
+
+    @property
+    def leaf_names(self):
+        return tuple(n + self.suffix for n in ("attn_inp_k_idxs", "attn_inp_v_idxs", "attn_inp_kq_mask"))
 
     def set_input(self, ubatch, values):
         cache, sinfo = self.mctx.cache, self.mctx.slot()
         self.n_tokens, self.n_kv = ubatch.n_tokens, self.mctx.n_kv
-        values["attn_inp_k_idxs"] = cache.k_idxs(ubatch, sinfo)
-        values["attn_inp_v_idxs"] = cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa)
-        values["attn_inp_kq_mask"] = cache.kq_mask(ubatch, sinfo, self.n_kv, self.causal, self.alibi,
-                                                   self.mask_dtype)
+        k_name, v_name, mask_name = self.leaf_names
+        values[k_name] = cache.k_idxs(ubatch, sinfo)
+        values[v_name] = cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa)
+        values[mask_name] = cache.kq_mask(ubatch, sinfo, self.n_kv, self.causal, self.alibi, self.mask_dtype)
 
-    def rebind(self, mctx: KVCacheContext) -> None:
-        self.mctx = mctx
+    def rebind(self, mctx) -> None:
+        self.mctx = mctx.contexts()[1] if self.suffix and len(mctx.contexts()) > 1 else mctx.contexts()[0]
 
     def can_reuse(self, params):
         # mask ne[0] == n_kv and ne[1] == n_tokens, as llama.cpp checks (fails with several streams)
         n_streams = self.mctx.slot().n_stream if self.mctx.slots else 1
         return (params.n_tokens == self.n_tokens and self.mctx.n_kv == self.n_kv
                 and self.n_tokens // n_streams == params.n_tokens)
+
+
+@dataclass
+class InputAttnNoCache(GraphInput):
+    """attn_inp_kq_mask [1, 1, T, T] (+ "_swa") over the ubatch itself: same first sequence,
+    causal if asked, the sliding window if any (llm_graph_input_attn_no_cache)."""
+
+    causal: bool
+    mask_dtype: np.dtype
+    alibi: bool = False
+    n_swa: int = 0
+    swa_type: str = "none"
+    suffix: str = ""
+
+    @property
+    def leaf_names(self):
+        return ("attn_inp_kq_mask" + self.suffix,)
+
+    def set_input(self, ubatch, values):
+        seq = np.array([ids[0] for ids in ubatch.seq_ids])
+        p = ubatch.pos.astype(np.int64)
+        p0, p1 = p[None, :], p[:, None]
+        allowed = seq[None, :] == seq[:, None]
+        if self.causal:
+            allowed &= p0 <= p1
+        if self.swa_type != "none":
+            allowed &= ~is_masked_swa(self.n_swa, self.swa_type, p0, p1)
+        fill = -np.abs(p0 - p1).astype(np.float32) if self.alibi else np.float32(0)
+        mask = np.where(allowed, fill, -np.inf).astype(np.float32)
+        values[self.leaf_names[0]] = mask[None, None].astype(self.mask_dtype)
+
+
+@dataclass
+class InputMean(GraphInput):
+    """inp_mean [n_seqs, T]: 1/len(seq) at the rows of each sequence's tokens (mean pooling)."""
+
+    leaf_names = ("inp_mean",)
+
+    def set_input(self, ubatch, values):
+        n, step = ubatch.n_tokens, ubatch.n_seq_tokens
+        sums = np.zeros(ubatch.n_seqs_unq, dtype=np.int64)
+        for i in range(0, n, step):
+            for seq_id in ubatch.seq_ids[i]:
+                sums[ubatch.seq_idx(seq_id)] += step
+        div = np.where(sums > 0, 1.0 / np.maximum(sums, 1), 0).astype(np.float32)
+        data = np.zeros((ubatch.n_seqs_unq, n), dtype=np.float32)
+        for i in range(0, n, step):
+            for seq_id in ubatch.seq_ids[i]:
+                s = ubatch.seq_idx(seq_id)
+                data[s, i:i + step] = div[s]
+        values["inp_mean"] = data
+
+
+@dataclass
+class InputCls(GraphInput):
+    """inp_cls i32 [n_seqs]: per sequence, the row of its first (cls) or last token."""
+
+    last: bool
+    leaf_names = ("inp_cls",)
+
+    def set_input(self, ubatch, values):
+        target_pos = [-1] * ubatch.n_seqs_unq
+        target_row = [0] * ubatch.n_seqs_unq
+        for i, ids in enumerate(ubatch.seq_ids):
+            pos = int(ubatch.pos[i])
+            for seq_id in ids:
+                s = ubatch.seq_idx(seq_id)
+                if target_pos[s] == -1 or (self.last and pos >= target_pos[s]) or \
+                        (not self.last and pos < target_pos[s]):
+                    target_pos[s], target_row[s] = pos, i
+        values["inp_cls"] = np.asarray(target_row, dtype=np.int32)
+
+
+def build_inputs(ctx, graph, ubatch: UBatch, mctx, params: GraphParams, encoder: bool) -> list[GraphInput]:
+    """The input objects for the leaves `graph` declares."""
+    hp, cp = ctx.model.hparams, ctx.cparams
+    names = {leaf.name for leaf in graph.leafs_of_kind("input")}
+    mask_dtype = np.float16 if cp.flash_attn else np.float32
+    alibi = hp.f_max_alibi_bias > 0
+    inputs: list[GraphInput] = [InputEmbd(ubatch.tokens is not None)]
+    if "inp_pos" in names:
+        inputs.append(InputPos())
+    if "inp_out_ids" in names:
+        inputs.append(InputOutIds(n_outputs=params.n_outputs))
+    causal = cp.causal_attn and not encoder
+    if mctx is None:
+        for suffix in ("", "_swa"):
+            if "attn_inp_kq_mask" + suffix in names:
+                inputs.append(InputAttnNoCache(causal, mask_dtype, alibi, hp.n_swa if suffix else 0,
+                                               hp.swa_type if suffix else "none", suffix))
+    else:
+        for sub in mctx.contexts():
+            if sub.cache.layout.layers:
+                inputs.append(InputAttnKV(sub, hp.n_embd_v_gqa(), causal, mask_dtype, alibi,
+                                          sub.cache.layout.suffix))
+    if "inp_mean" in names:
+        inputs.append(InputMean())
+    if "inp_cls" in names:
+        inputs.append(InputCls(last=cp.pooling_type == "last" or (cp.pooling_type == "rank" and causal)))
+    return inputs
 
 
 @dataclass
@@ -157,6 +261,8 @@ class GraphResult:
         for inp in self.inputs:
             if isinstance(inp, InputAttnKV) and mctx is not None:
                 inp.rebind(mctx)
+            elif isinstance(inp, InputAttnKV):
+                return False
         return all(inp.can_reuse(params) for inp in self.inputs)
 
     def set_inputs(self, ubatch: UBatch) -> dict[str, np.ndarray]:

@@ -67,7 +67,8 @@ class KVCache:
 
     def __init__(self, hp: HParams, kv_size: int, n_seq_max: int, unified: bool = True,
                  type_k: DType = F16, type_v: DType = F16, v_trans: bool = True,
-                 n_swa: int = 0, swa_type: str = "none", layers: tuple[int, ...] | None = None):
+                 n_swa: int = 0, swa_type: str = "none", layers: tuple[int, ...] | None = None,
+                 suffix: str = ""):
         self.hp = hp
         self.kv_size = kv_size
         self.n_seq_max = n_seq_max
@@ -76,7 +77,8 @@ class KVCache:
         self.n_swa, self.swa_type = n_swa, swa_type
         self.layout = KVLayout(kv_size=kv_size, type_k=type_k, type_v=type_v, v_trans=v_trans,
                                n_stream=self.n_stream,
-                               layers=tuple(range(hp.n_layer)) if layers is None else tuple(layers))
+                               layers=tuple(range(hp.n_layer)) if layers is None else tuple(layers),
+                               suffix=suffix)
         n_seq_cols = LLAMA_MAX_SEQ if unified else n_seq_max
         self.v_cells = [KVCells(kv_size, n_seq_cols) for _ in range(self.n_stream)]
         self.v_heads = [0] * self.n_stream
@@ -397,3 +399,17 @@ class KVCacheContext:
 
     def slot(self) -> SlotInfo:
         return self.slots[self.i_cur]
+
+    def contexts(self) -> list[KVCacheContext]:
+        """The per-cache contexts (one here; two for an iSWA memory)."""
+        return [self]
+
+    def bindings(self, n_tokens: int) -> dict[str, int]:
+        """The graph dims this cache decides: n_kv, and for several streams T_s, ns and s0."""
+        out = {self.cache.layout.n_kv_dim: self.n_kv}
+        if self.cache.n_stream > 1:
+            sinfo = self.slot()
+            if sinfo.strm != list(range(sinfo.s0, sinfo.s1 + 1)):
+                raise ValueError(f"ubatch streams {sinfo.strm} are not consecutive")
+            out.update(T_s=n_tokens // sinfo.n_stream, ns=sinfo.n_stream, s0=sinfo.s0)
+        return out

@@ -190,8 +190,9 @@ class GraphContext:
 
     def rope(self, x: Node, mode: int, il: int, freq_factors: Node | None = None, name: Name = None) -> Node:
         r = self.config.rope
+        base = self.model.arch.rope_freq_base(self.hp, r, il)
         return self.b.rope_ext(x, self.inp_pos(), freq_factors, n_dims=self.hp.n_rot, mode=mode,
-                               n_ctx_orig=r.n_ctx_orig, freq_base=r.freq_base, freq_scale=r.freq_scale,
+                               n_ctx_orig=r.n_ctx_orig, freq_base=base, freq_scale=r.freq_scale,
                                ext_factor=r.ext_factor, attn_factor=r.attn_factor, beta_fast=r.beta_fast,
                                beta_slow=r.beta_slow, name=name)
 

@@ -71,6 +71,9 @@ class Model:
 
 def load_model(path: str | Path, vocab_only: bool = False) -> Model:
     """Open and validate a GGUF model: architecture, hparams, vocab and every tensor's shape."""
+    import time
+
+    t0 = time.perf_counter()
     path = Path(path)
     try:
         f = GGUFFile(path)
@@ -94,6 +97,7 @@ def load_model(path: str | Path, vocab_only: bool = False) -> Model:
     model = Model(path, f, arch, hp, vocab)
     if not vocab_only:
         _check_tensors(model)
+    model.t_load_ms = (time.perf_counter() - t0) * 1e3
     return model
 
 

@@ -41,6 +41,10 @@ class Architecture:
     def tensor_specs(self, hp: HParams) -> list[TensorSpec]:
         raise NotImplementedError
 
+    def rope_freq_base(self, hp: HParams, rope, il: int) -> float:
+        """The rope base of layer il (llama_model::get_rope_freq_base); SWA layers may differ."""
+        return rope.freq_base
+
     def build(self, g) -> None:
         """Build the decoder graph on a GraphContext `g`."""
         raise NotImplementedError
