@@ -48,7 +48,7 @@ def fma(a, b, c) -> np.ndarray:
             r = out[at]
             below = np.where(r.astype(f64) < s_t, r, np.nextafter(r, f32(-np.inf)))
             above = np.where(r.astype(f64) > s_t, r, np.nextafter(r, f32(np.inf)))
-            is_mid = (below.astype(f64) + above.astype(f64)) * 0.5 == s_t
+            is_mid = (r.astype(f64) != s_t) & ((below.astype(f64) + above.astype(f64)) * 0.5 == s_t)
             out[at] = np.where(is_mid & (err > 0), above, np.where(is_mid & (err < 0), below, r))
     return out
 

@@ -157,6 +157,12 @@ class GgmlGraph:
             raise RuntimeError(f"{name} returned NULL")
         return out
 
+    def call(self, name: str, *args) -> None:
+        """Call a ggml function that returns nothing (ggml_soft_max_add_sinks, ...)."""
+        fn = getattr(self.lib.base, name)
+        fn.restype = None
+        fn(*[_arg(a) for a in args])
+
     # -- running --------------------------------------------------------------------------
     def compute(self, out: TensorP, n_threads: int = 1) -> np.ndarray:
         """Build the graph ending in `out`, compute it on the CPU backend, return out as numpy."""

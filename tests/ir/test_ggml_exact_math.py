@@ -1,0 +1,80 @@
+"""llamir.ir.ggml_math against independent oracles: exact rational arithmetic for the float32 fma,
+and this machine's glibc (through ctypes) for the expf/sinf/cosf ports that ggml's scalar code
+calls. (ggml_v_expf itself is checked against libggml in test_ggml_exact.py.)"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from llamir.ir import ggml_math
+
+f32 = np.float32
+
+
+def round_to_f32(x: Fraction) -> np.float32:
+    """x rounded to the nearest float32, ties to even (finite, normal-range x)."""
+    near = f32(float(x))
+    candidates = [np.nextafter(near, f32(-np.inf)), near, np.nextafter(near, f32(np.inf))]
+    return min(candidates, key=lambda c: (abs(Fraction(float(c)) - x), int(np.array(c).view(np.uint32)) & 1))
+
+
+def test_fma_matches_exact_rounding():
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.normal(0, 1, 2000).astype(f32) * f32(2.0) ** rng.integers(-20, 20, 2000) for _ in range(3))
+    c[:100] = np.abs(a[:100] * b[:100]) * f32(2.0**35)  # a*b under float64's resolution of c
+    want = [round_to_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+            for x, y, z in zip(a, b, c, strict=True)]
+    np.testing.assert_array_equal(ggml_math.fma(a, b, c), np.array(want, dtype=f32))
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-30, 2.0**40, -1.0])
+def test_fma_breaks_float64_ties_by_the_lost_bits(scale):
+    """24929 * 673 = 2^24 + 1, halfway between two float32s; a tiny c decides the rounding,
+    though float64 rounds it away and would leave the tie to round-to-even."""
+    a, b = f32(24929 * scale), f32(673)
+    tiny = f32(2.0**-40 * abs(scale))
+    up, down = f32((2**24 + 2) * scale), f32(2**24 * scale)
+    assert ggml_math.fma(a, b, tiny)[0] == (up if scale > 0 else down)
+    assert ggml_math.fma(a, b, -tiny)[0] == (down if scale > 0 else up)
+
+
+@pytest.fixture(scope="module")
+def glibc_libm():
+    path = ctypes.util.find_library("m")
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    if path is None or not hasattr(libc, "gnu_get_libc_version"):
+        pytest.skip("needs glibc's libm, whose expf/sinf/cosf ggml_math ports")
+    lib = ctypes.CDLL(path)
+    for name in ("expf", "sinf", "cosf"):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
+    return lib
+
+
+def _libm(lib, name: str, x: np.ndarray) -> np.ndarray:
+    fn = getattr(lib, name)
+    return np.array([fn(float(v)) for v in x], dtype=f32)
+
+
+def _inputs(rng, name: str) -> np.ndarray:
+    if name == "expf":
+        body = rng.uniform(-104, 89, 40000)
+    else:  # small, fast-reduced (< 120) and large-reduced arguments, rope angles up to 1e5 rad
+        body = rng.uniform(-1, 1, 40000) * 10.0 ** rng.uniform(-5, 5, 40000)
+    special = [0.0, -0.0, 1e-30, -1e-30, 88.0, 88.8, -103.0, -104.5, 120.0, 119.99, 2e5,
+               np.inf, -np.inf, np.nan]
+    return np.concatenate([body, special]).astype(f32)
+
+
+@pytest.mark.parametrize("name", ["expf", "sinf", "cosf"])
+def test_glibc_ports_match_libm(glibc_libm, name):
+    x = _inputs(np.random.default_rng(3), name)
+    got, want = getattr(ggml_math, name)(x), _libm(glibc_libm, name, x)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (f"{int((~same).sum())} differ, e.g. {name}({x[~same][:3]}) = {got[~same][:3]}, "
+                        f"glibc says {want[~same][:3]}")
