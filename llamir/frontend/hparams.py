@@ -54,7 +54,16 @@ class HParams:
     f_attn_logit_softcapping: float = 0.0
     f_final_logit_softcapping: float = 0.0
     f_max_alibi_bias: float = 0.0
+    rope_freq_base_train_swa: float = 10000.0
+    rope_freq_scale_train_swa: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def set_swa_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
+        """llama_hparams::set_swa_pattern: with dense_first layer 0 is global, else the last of each group."""
+        if dense_first:
+            self.swa_layers = tuple(n_pattern == 0 or il % n_pattern != 0 for il in range(self.n_layer))
+        else:
+            self.swa_layers = tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(self.n_layer))
 
     def n_head(self, il: int = 0) -> int:
         return self.n_head_arr[il]

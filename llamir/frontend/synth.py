@@ -24,7 +24,7 @@ import regex
 from llamir.frontend.gguf_rewrite import FILE_TYPES
 from llamir.ir.dtypes import dtype_named
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # the matrix types gguf.quants can write, each with its general.file_type
 MATRIX_DTYPES = tuple(FILE_TYPES)
 
@@ -75,7 +75,7 @@ with doubt, then tested, and finally accepted when the evidence became strong en
 class SynthSpec:
     """The shape, types and seed of a synthetic model."""
 
-    arch: str = "llama"        # "llama" | "qwen2" (q/k/v biases) | "qwen3" (per-head q/k norms, no bias)
+    arch: str = "llama"        # llama | qwen2 (q/k/v biases) | qwen3 (q/k norms) | gemma3 (iSWA, post norms)
     n_layer: int = 2
     n_embd: int = 64
     n_head: int = 4
@@ -90,7 +90,8 @@ class SynthSpec:
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
     seed: int = 0
-    sliding_window: int | None = None  # reserved (gemma-style SWA)
+    sliding_window: int | None = None  # gemma3: the window of its SWA layers (every layer but each 6th)
+    swa_pattern: int = 6               # gemma3: one global layer every swa_pattern layers
 
     @property
     def n_embd_head(self) -> int:
@@ -123,9 +124,8 @@ def write_model(path: str | Path, spec: SynthSpec) -> Path:
 
 
 def _check_spec(spec: SynthSpec) -> None:
-    if spec.sliding_window is not None:
-        raise NotImplementedError(f"sliding_window={spec.sliding_window}: synthetic SWA models are not "
-                                  "written yet")
+    if spec.sliding_window is not None and spec.arch != "gemma3":
+        raise ValueError(f"sliding_window is a gemma3 setting, not {spec.arch}'s")
     if spec.arch not in ARCHS:
         raise ValueError(f"arch {spec.arch!r} is not one of {ARCHS}")
     for field, value in (("dtype", spec.dtype), ("embd_dtype", spec.embd_dtype or spec.dtype)):
@@ -168,6 +168,13 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
         w.add_key_length(spec.n_embd_head)
         w.add_value_length(spec.n_embd_head)
     w.add_vocab_size(spec.n_vocab)
+    if spec.arch == "gemma3":
+        w.add_key_length(spec.n_embd_head)
+        w.add_value_length(spec.n_embd_head)
+        if spec.sliding_window:
+            w.add_sliding_window(spec.sliding_window)
+            w.add_uint32(f"{spec.arch}.attention.sliding_window_pattern", spec.swa_pattern)
+            w.add_float32(f"{spec.arch}.rope.freq_base_swa", 10000.0)
     w.add_file_type(FILE_TYPES[spec.dtype])
     if dtype_named(spec.dtype).is_quantized or dtype_named(spec.embd_dtype or spec.dtype).is_quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -296,8 +303,9 @@ def _tensors(spec: SynthSpec):
         return 0.2 * rng.standard_normal(n, dtype=np.float32)
 
     embd_dtype = spec.embd_dtype or spec.dtype
-    yield _typed("token_embd.weight", rng.standard_normal((spec.n_vocab, spec.n_embd), dtype=np.float32),
-                 embd_dtype)
+    embd_scale = np.float32(1 / np.sqrt(spec.n_embd)) if spec.arch == "gemma3" else np.float32(1)  # x sqrt(E)
+    yield _typed("token_embd.weight", rng.standard_normal((spec.n_vocab, spec.n_embd), dtype=np.float32)
+                 * embd_scale, embd_dtype)
     yield _typed("output_norm.weight", norm(spec.n_embd), "f32")
     if not spec.tied:
         # gain 3: logits with a std of ~3 (tied models get std ~sqrt(n_embd) from the O(1) embedding)
@@ -306,7 +314,7 @@ def _tensors(spec: SynthSpec):
         p = f"blk.{il}."
         yield _typed(p + "attn_norm.weight", norm(spec.n_embd), "f32")
         # qwen3 normalises q and k per head, so the gain goes into those norm weights instead
-        qk_gain = 1.0 if spec.arch == "qwen3" else QK_GAIN
+        qk_gain = 1.0 if spec.arch in ("qwen3", "gemma3") else QK_GAIN
         yield _typed(p + "attn_q.weight", matrix(n_q, spec.n_embd, qk_gain), spec.dtype)
         yield _typed(p + "attn_k.weight", matrix(n_kv, spec.n_embd, qk_gain), spec.dtype)
         yield _typed(p + "attn_v.weight", matrix(n_kv, spec.n_embd), spec.dtype)
@@ -314,10 +322,13 @@ def _tensors(spec: SynthSpec):
             yield _typed(p + "attn_q.bias", bias(n_q), "f32")
             yield _typed(p + "attn_k.bias", bias(n_kv), "f32")
             yield _typed(p + "attn_v.bias", bias(n_kv), "f32")
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "gemma3"):
             yield _typed(p + "attn_q_norm.weight", norm(hd, QK_GAIN), "f32")
             yield _typed(p + "attn_k_norm.weight", norm(hd, QK_GAIN), "f32")
         yield _typed(p + "attn_output.weight", matrix(spec.n_embd, n_q), spec.dtype)
+        if spec.arch == "gemma3":
+            yield _typed(p + "post_attention_norm.weight", norm(spec.n_embd, 0.5), "f32")
+            yield _typed(p + "post_ffw_norm.weight", norm(spec.n_embd, 0.5), "f32")
         yield _typed(p + "ffn_norm.weight", norm(spec.n_embd), "f32")
         yield _typed(p + "ffn_gate.weight", matrix(spec.n_ff, spec.n_embd), spec.dtype)
         yield _typed(p + "ffn_up.weight", matrix(spec.n_ff, spec.n_embd), spec.dtype)

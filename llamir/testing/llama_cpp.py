@@ -139,6 +139,24 @@ class LlamaCppOracle:
             b.logits[i] = flags[i]
         return int(self._lib.llama_decode(self._ctx, b))
 
+    def decode_batch(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]],
+                     logits: Sequence[bool]) -> int:
+        """One llama_decode of a general batch: per token a position, its sequence ids and a flag."""
+        n = len(tokens)
+        if not 0 < n <= self.n_batch or not len(pos) == len(seq_ids) == len(logits) == n:
+            raise ValueError(f"decode_batch: {n} tokens, {len(pos)} positions, {len(seq_ids)} seq_id lists, "
+                             f"{len(logits)} flags (1..{self.n_batch} tokens per call)")
+        b = self._batch
+        b.n_tokens = n
+        for i in range(n):
+            b.token[i] = int(tokens[i])
+            b.pos[i] = int(pos[i])
+            b.n_seq_id[i] = len(seq_ids[i])
+            for j, s in enumerate(seq_ids[i]):
+                b.seq_id[i][j] = int(s)
+            b.logits[i] = bool(logits[i])
+        return int(self._lib.llama_decode(self._ctx, b))
+
     def logits_ith(self, i: int) -> np.ndarray:
         """A copy of the logits of batch position `i` of the last decode (negative counts from the end)."""
         ptr = self._lib.llama_get_logits_ith(self._ctx, i)
