@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from llamir.backends import Backend, BackendError, get_backend
+from llamir.context import state
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
 from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
 from llamir.context.kv_cache import KVCache, MemoryStatus
@@ -305,6 +306,45 @@ class Context:
     def _require_embeddings(self) -> None:
         if not self.cparams.embeddings:
             raise ValueError("embeddings are off for this context (create it with embeddings=True)")
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_get_size(self) -> int:
+        return len(self.state_get_data())
+
+    def state_get_data(self) -> bytes:
+        """llama_state_get_data: outputs and memory, in llama.cpp's layout."""
+        return state.write_state(self)
+
+    def state_set_data(self, data: bytes) -> int:
+        """llama_state_set_data: restore; a bad blob raises StateError and changes nothing."""
+        return state.read_state(self, bytes(data))
+
+    def state_seq_get_size(self, seq_id: int, flags: int = 0) -> int:
+        return len(self.state_seq_get_data(seq_id, flags))
+
+    def state_seq_get_data(self, seq_id: int, flags: int = 0) -> bytes:
+        return state.write_seq_state(self, seq_id, flags)
+
+    def state_seq_set_data(self, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
+        return state.read_seq_state(self, bytes(data), dest_seq_id, flags)
+
+    def state_save_file(self, path, tokens) -> int:
+        """Session file: magic 'ggsn', version, the token list, then the state."""
+        return state.write_file(path, state.SESSION_MAGIC, state.SESSION_VERSION, tokens, self.state_get_data())
+
+    def state_load_file(self, path, n_token_capacity: int) -> list[int]:
+        tokens, body = state.read_file(path, state.SESSION_MAGIC, state.SESSION_VERSION, n_token_capacity)
+        self.state_set_data(body)
+        return tokens
+
+    def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
+        return state.write_file(path, state.STATE_SEQ_MAGIC, state.STATE_SEQ_VERSION, tokens,
+                                self.state_seq_get_data(seq_id))
+
+    def state_seq_load_file(self, path, dest_seq_id: int, n_token_capacity: int) -> list[int]:
+        tokens, body = state.read_file(path, state.STATE_SEQ_MAGIC, state.STATE_SEQ_VERSION, n_token_capacity)
+        self.state_seq_set_data(body, dest_seq_id)
+        return tokens
 
     # -- perf -------------------------------------------------------------------------------------
     def perf(self) -> dict[str, float]:
