@@ -27,22 +27,30 @@ def _hex32(s: str) -> np.float32:
 
 
 # -- exact float32 fused multiply-add ----------------------------------------------------------
+_LOW29, _MIDPOINT_BIT = u64((1 << 29) - 1), u64(1 << 28)
+_ABS64 = u64((1 << 63) - 1)
+_F32_SUBNORMAL_BITS = u64((1023 - 126) << 52)   # float64 bits of 2^-126
+
+
 def fma(a, b, c) -> np.ndarray:
     """float32 a*b + c with a single rounding (vfmadd): exact through float64.
 
     a*b is exact in float64; the one float64 rounding of the sum can only mislead the float32
     rounding when it lands exactly halfway between two float32 values, which is fixed up from
     the sum's exact error (TwoSum)."""
-    a, b, c = (np.atleast_1d(np.asarray(v, dtype=f32)) for v in (a, b, c))
-    p = a.astype(f64) * b
-    c64 = c.astype(f64)
+    a, b, c = (np.asarray(v, dtype=f32) for v in (a, b, c))
     with np.errstate(invalid="ignore", over="ignore"):
-        s = p + c64
+        s = np.broadcast_to(a, np.broadcast_shapes(a.shape, b.shape, c.shape) or (1,)).astype(f64)
+        s *= b   # in place: far faster than ufuncs with dtype=f64 on mixed inputs
+        s += c
         out = s.astype(f32)
-        maybe_tie = (s.view(u64) & u64((1 << 28) - 1)) == 0   # every float32 midpoint has these 28 zero bits
+        bits = s.view(u64)
+        # a normal float32 midpoint has 25 significant bits; float32-subnormal sums are rare
+        maybe_tie = ((bits & _LOW29) == _MIDPOINT_BIT) | (((bits & _ABS64) - u64(1)) < _F32_SUBNORMAL_BITS)
         if np.any(maybe_tie):
             at = np.nonzero(maybe_tie)
-            s_t, p_t, c_t = s[at], np.broadcast_to(p, s.shape)[at], np.broadcast_to(c64, s.shape)[at]
+            p_t = np.broadcast_to(a.astype(f64) * b, s.shape)[at]
+            s_t, c_t = s[at], np.broadcast_to(c, s.shape)[at].astype(f64)
             t = s_t - p_t
             err = (p_t - (s_t - t)) + (c_t - t)               # exact: p + c == s + err
             r = out[at]
