@@ -96,6 +96,15 @@ class SplitMemory:
                                 f"{storage_dtype(ref.dtype)}), got {tuple(value.shape)} {value.dtype}")
             self.set(ref, value, value)
             return value
+        if isinstance(ref, Node) and not ref.is_leaf and ref.op.is_view:
+            # ggml sets a view's data when it allocates the graph, so it is readable (copied into
+            # another split) before its own position in the node order
+            from llamir.ir import Interpreter
+
+            src = ref.inputs[0]
+            value = Interpreter()._view(ref, self.value(src), self.root(src), {})
+            self.set(ref, value, self.root(src))
+            return value
         raise ExecError(f"{self.plan.label(ref)} is read before it is computed")
 
     def root(self, ref) -> np.ndarray:
