@@ -17,7 +17,7 @@ from llamir.context.kv_cache import KVCache, MemoryStatus
 from llamir.context.kv_cache_iswa import KVCacheISWA
 from llamir.context.memory_update import MemoryUpdater
 from llamir.context.outputs import Outputs
-from llamir.context.params import ContextParams, CParams, resolve
+from llamir.context.params import ContextParams, ContextParamsError, CParams, resolve
 from llamir.context.perf import Perf
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.model import Model
@@ -52,6 +52,8 @@ class Context:
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         if self.cparams.auto_fa:
             self.cparams = self.cparams.with_flash_attn(self._backend_runs_flash_attn())
+            if not self.cparams.flash_attn and self.cparams.type_v.is_quantized:
+                raise ContextParamsError("quantized V cache was requested, but this requires Flash Attention")
         hp = model.hparams
         self.memory = self._create_memory()
         self.balloc = BatchAllocator()

@@ -112,15 +112,21 @@ def resolve(p: ContextParams, hp: HParams) -> CParams:
             log.warning("n_ctx is not divisible by n_seq_max - rounding down to %d", n_ctx)
     type_k = dtype_named(p.type_k) if isinstance(p.type_k, str) else p.type_k
     type_v = dtype_named(p.type_v) if isinstance(p.type_v, str) else p.type_v
-    for what, t, head in (("K", type_k, hp.n_embd_head_k), ("V", type_v, hp.n_embd_head_v)):
+    for what, t in (("K", type_k), ("V", type_v)):
         if t.is_int:
             raise ContextParamsError(f"the {what} cache cannot be of type {t}")
-        if head % t.block_size:
-            raise ContextParamsError(f"{what} cache type {t} with block size {t.block_size} does not divide "
-                                     f"the head size {head}")
-    flash = p.flash_attn != "off"
-    if type_v.is_quantized and not flash:
-        raise ContextParamsError("V cache quantization requires flash_attn")
+    flash_mode = p.flash_attn
+    if type_v.is_quantized and flash_mode != "on":  # llama_init_from_model's order of checks
+        if flash_mode == "off":
+            raise ContextParamsError("quantized V cache requires flash_attn to be enabled")
+        log.info("enabling flash_attn since it is required for quantized V cache")
+        flash_mode = "on"
+    if flash_mode != "off":
+        for what, t, head in (("K", type_k, hp.n_embd_head_k), ("V", type_v, hp.n_embd_head_v)):
+            if t.is_quantized and head % t.block_size:
+                raise ContextParamsError(f"{what} cache type {t} with block size {t.block_size} does not divide "
+                                         f"n_embd_head_{what.lower()}={head}")
+    flash = flash_mode != "off"
     rope = RopeParams.resolve(hp, p.rope_freq_base, p.rope_freq_scale, p.rope_scaling_type,
                               p.yarn_ext_factor, p.yarn_attn_factor, p.yarn_beta_fast, p.yarn_beta_slow,
                               p.yarn_orig_ctx)
@@ -129,6 +135,6 @@ def resolve(p: ContextParams, hp: HParams) -> CParams:
     return CParams(
         n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
         n_threads=p.n_threads or (os.cpu_count() or 1), kv_unified=p.kv_unified, type_k=type_k, type_v=type_v,
-        flash_attn=flash, auto_fa=p.flash_attn == "auto", embeddings=p.embeddings, pooling_type=pooling,
+        flash_attn=flash, auto_fa=flash_mode == "auto", embeddings=p.embeddings, pooling_type=pooling,
         causal_attn=causal, rope=rope, op_offload=p.op_offload, offload_kqv=p.offload_kqv,
         swa_full=p.swa_full, no_perf=p.no_perf, graph_reuse=graph_reuse)
