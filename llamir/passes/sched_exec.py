@@ -255,8 +255,14 @@ def execute(sched, scheduled, values: Mapping[str, np.ndarray], observe: Observe
         prev = split.backend
         if not ok:
             break
-    return {name: plan.backend_of(node).get_tensor_async(memory.value(node))
-            for name, node in plan.graph.outputs.items() if id(node) in memory.values}
+    outputs = {}
+    for name, node in plan.graph.outputs.items():
+        # a backend that runs nothing (null), or a stopped compute, leaves what memory holds
+        value = memory.values.get(id(node))
+        value = value if value is not None else memory.slot(node)
+        if value is not None:
+            outputs[name] = plan.backend_of(node).get_tensor_async(value)
+    return outputs
 
 
 def _event(sched, backend_index: int, copy: int):

@@ -137,4 +137,4 @@ def test_null_backend_runs_nothing_but_the_scheduler_walks_its_paths():
     assert [scheduled.plan.labels[s.backend] for s in scheduled.plan.splits] == ["n0"]
     out = sched.graph_compute(scheduled, {"x": np.ones((2, 3), np.float32), "w": np.ones((2, 3), np.float32)})
     assert null.stats.n_graph_computes == 1 and null.stats.bytes_in == 24
-    assert np.array_equal(out["y"], np.zeros((2, 3), np.float32))   # nothing was computed
+    assert not np.any(out["y"] == 2)   # x + w was never computed: y holds what its memory held
