@@ -6,9 +6,11 @@ falls back to glibc's expf/sinf/cosf in scalar code (row tails, rope angles, sin
 function here follows one of those, named in its docstring, so the reference interpreter rounds
 exactly as llama.cpp does; all of them act element-wise on float32 arrays of any shape.
 
-glibc's own FMA builds fuse some of their float64 steps too; emulating those would take
-double-double arithmetic for a change that reaches the float32 result about once in 10^8
-calls, so the float64 parts below round each step (see tests/ir/test_ggml_exact.py).
+glibc's FMA builds (the ones this CPU runs) fuse some of their float64 steps too; emulating
+that would take double-double arithmetic for a change that can reach the float32 result only
+about once in 10^8 calls (none in the ~10^6 inputs per function compared with glibc itself in
+tests/ir/test_ggml_exact_math.py), so the float64 parts below round each step. powf and logf are
+approximated by rounding float64 results; they only compute per-op scalars (see their notes).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def v_expf(x: np.ndarray) -> np.ndarray:
         b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
         u = b * b
         j = fma(fma(fma(_P5, b, _P4), u, fma(_P3, b, _P2)), u, fma(_P1, b, f32(1)))
-        out_of_range = np.abs(n) > 192                       # ±inf and NaN-free huge inputs
+        out_of_range = np.abs(n) > 192                       # ggml answers 0 or inf outright (and for ±inf)
         exponent = np.where(out_of_range | np.isnan(n), 0, n).astype(np.int32)
         res = np.ldexp(j, exponent)                           # _mm512_scalef_ps (j finite, n integral)
         return np.where(out_of_range, np.where(n <= 0, f32(0), f32(np.inf)), res).astype(f32)
@@ -104,11 +106,6 @@ def vec_silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         tail = x[..., k:] / (f32(1) + expf(-x[..., k:]))
     return np.concatenate([v_silu(x[..., :k]), tail], axis=-1)
-
-
-def vec_swiglu(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """ggml_vec_swiglu_f32 on each row: silu(x) * g, with vec_silu's split between lanes and tail."""
-    return vec_silu(x) * np.asarray(g, dtype=f32)
 
 
 def reduce_add_16(v: np.ndarray) -> np.ndarray:

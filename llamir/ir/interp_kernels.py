@@ -164,6 +164,7 @@ def _unary(ctx, node, args, bindings):
     return from_f32(np.asarray(y, dtype=f32), node.dtype)
 
 
+# ggml_vec_swiglu_f32 is vec_silu (its 16-lane/tail split) times g
 _GLU_ACT = {ops.SwiGlu: ggml_math.vec_silu, ops.GeGlu: _gelu_table, ops.ReGlu: _UNARY[ops.Relu],
             ops.GeGluErf: _UNARY[ops.GeluErf], ops.GeGluQuick: _gelu_quick_table}
 

@@ -153,6 +153,9 @@ def test_swiglu_and_silu(ggml, rng, width):
     assert_same_bits(got, theirs(ggml, lambda g, a, b: g.op("ggml_swiglu_split", a, b), gate, up))
     got = ours(lambda g, a: g.silu(a), a=gate)
     assert_same_bits(got, theirs(ggml, lambda g, a: g.op("ggml_silu", a), gate))
+    fused = np.concatenate([up, gate], axis=-1)                        # one [T, 2*width] projection
+    got = ours(lambda g, a: g.glu("swiglu", a, swapped=True), a=fused)
+    assert_same_bits(got, theirs(ggml, lambda g, a: g.op("ggml_swiglu_swapped", a), fused))
 
 
 def test_silu_f16_is_scalar(ggml, rng):
