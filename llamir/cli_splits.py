@@ -1,8 +1,8 @@
 """`llamir splits MODEL`: where each op of a model would run on a mix of devices, why, and what it costs.
 
-    llamir splits model.gguf --device sim:gpu0:mem=8GiB --n-gpu-layers 20 --n-tokens 512
-    llamir splits model.gguf --device sim:gpu0:ops=all,-soft_max_ext --explain kq_soft_max-3
-    llamir splits model.gguf --device sim:gpu0 --format svg --out plan.svg
+llamir splits model.gguf --device sim:gpu0:mem=8GiB --n-gpu-layers 20 --n-tokens 512
+llamir splits model.gguf --device sim:gpu0:ops=all,-soft_max_ext --explain kq_soft_max-3
+llamir splits model.gguf --device sim:gpu0 --format svg --out plan.svg
 """
 
 from __future__ import annotations
@@ -29,14 +29,23 @@ def graph_config(model, n_ctx: int, flash_attn: bool):
     """The decoder graph config of a context with an n_ctx-cell f16 KV cache."""
     from llamir.frontend.graph_context import GraphConfig, KVLayout, RopeParams
 
-    kv = KVLayout(kv_size=n_ctx, v_trans=not flash_attn,
-                  layers=tuple(range(model.hparams.n_layer)))
+    kv = KVLayout(kv_size=n_ctx, v_trans=not flash_attn, layers=tuple(range(model.hparams.n_layer)))
     return GraphConfig(kv=kv, rope=RopeParams.resolve(model.hparams), flash_attn=flash_attn)
 
 
-def plan_model(model, devices: list, params, *, n_tokens: int, n_outputs: int = 1, n_ctx: int = 4096,
-               n_ubatch: int = 512, flash_attn: bool = False, op_offload: bool = True,
-               n_copies: int = 1) -> SplitsReport:
+def plan_model(
+    model,
+    devices: list,
+    params,
+    *,
+    n_tokens: int,
+    n_outputs: int = 1,
+    n_ctx: int = 4096,
+    n_ubatch: int = 512,
+    flash_attn: bool = False,
+    op_offload: bool = True,
+    n_copies: int = 1,
+) -> SplitsReport:
     """Place `model` on `devices` (CPU last), plan one batch of n_tokens, and reserve the
     worst-case graphs (n_ubatch-token prompt, 1-token generation) for the compute buffers."""
     from llamir.frontend.placement import place_model
@@ -82,8 +91,14 @@ def _params(args):
         split = tuple(float(x) for x in args.tensor_split.split(",")) if args.tensor_split else ()
     except ValueError:
         raise _error(f"--tensor-split {args.tensor_split!r}: expected comma-separated numbers") from None
-    return PlacementParams(n_gpu_layers=args.n_gpu_layers, split_mode=args.split_mode, main_gpu=args.main_gpu,
-                           tensor_split=split, overrides=tuple(overrides), offload_kqv=not args.no_kv_offload)
+    return PlacementParams(
+        n_gpu_layers=args.n_gpu_layers,
+        split_mode=args.split_mode,
+        main_gpu=args.main_gpu,
+        tensor_split=split,
+        overrides=tuple(overrides),
+        offload_kqv=not args.no_kv_offload,
+    )
 
 
 def _error(message: str):
@@ -117,9 +132,18 @@ def cmd_splits(args) -> int:
         raise _error(f"--override-tensor: bad regex: {err}") from None
     model = _load(args.model)
     try:
-        report = plan_model(model, devices, params, n_tokens=args.n_tokens, n_outputs=args.n_outputs,
-                            n_ctx=args.n_ctx, n_ubatch=args.n_ubatch, flash_attn=args.flash_attn == "on",
-                            op_offload=not args.no_op_offload, n_copies=args.n_copies)
+        report = plan_model(
+            model,
+            devices,
+            params,
+            n_tokens=args.n_tokens,
+            n_outputs=args.n_outputs,
+            n_ctx=args.n_ctx,
+            n_ubatch=args.n_ubatch,
+            flash_attn=args.flash_attn == "on",
+            op_offload=not args.no_op_offload,
+            n_copies=args.n_copies,
+        )
         explains = {name: report.plan.explain(name) for name in args.explain}
     except (PlacementError, SchedError, KeyError) as err:
         raise _error(str(err).strip("'\"")) from None
@@ -139,42 +163,85 @@ def _render(fmt: str, model, report: SplitsReport, explains: dict[str, str], nod
 
         return plan_to_svg(plan)
     if fmt == "json":
-        doc = {"model": model.name, "n_layer": model.hparams.n_layer,
-               "devices": [{"name": b.label, "type": b.device.type.value, "memory": b.device.memory_total,
-                            "description": b.device.description} for b in placement.backends],
-               "layers": placement.layer_device, "output_layer": placement.output_device,
-               "weights": {n: {"device": p.device, "reason": p.reason} for n, p in placement.weights.items()},
-               "kv_cache": placement.state,
-               "memory": {d: {"weights": w, "kv_cache": kv} for d, (w, kv) in placement.memory_use().items()},
-               "plan": plan.to_json(), "compute_buffers": report.compute,
-               "reserve_batches": report.reserve_batches, "explain": explains}
+        doc = {
+            "model": model.name,
+            "n_layer": model.hparams.n_layer,
+            "devices": [
+                {
+                    "name": b.label,
+                    "type": b.device.type.value,
+                    "memory": b.device.memory_total,
+                    "description": b.device.description,
+                }
+                for b in placement.backends
+            ],
+            "layers": placement.layer_device,
+            "output_layer": placement.output_device,
+            "weights": {n: {"device": p.device, "reason": p.reason} for n, p in placement.weights.items()},
+            "kv_cache": placement.state,
+            "memory": {d: {"weights": w, "kv_cache": kv} for d, (w, kv) in placement.memory_use().items()},
+            "plan": plan.to_json(),
+            "compute_buffers": report.compute,
+            "reserve_batches": report.reserve_batches,
+            "explain": explains,
+        }
         return json.dumps(doc, indent=1) + "\n"
-    lines = [f"model {model.name}: {model.hparams.n_layer} layers; devices "
-             f"{', '.join(b.device.description if b.label in b.device.description else b.label for b in placement.backends)}",
-             placement.summary().rstrip(), plan.to_text(show_nodes=nodes).rstrip(),
-             "compute buffers (reserved for batches of " + ", ".join(map(str, report.reserve_batches)) + " tokens): "
-             + ", ".join(f"{d} {format_bytes(n)}" for d, n in report.compute.items())]
+    lines = [
+        f"model {model.name}: {model.hparams.n_layer} layers; devices "
+        f"{', '.join(b.device.description if b.label in b.device.description else b.label for b in placement.backends)}",
+        placement.summary().rstrip(),
+        plan.to_text(show_nodes=nodes).rstrip(),
+        "compute buffers (reserved for batches of "
+        + ", ".join(map(str, report.reserve_batches))
+        + " tokens): "
+        + ", ".join(f"{d} {format_bytes(n)}" for d, n in report.compute.items()),
+    ]
     for text in explains.values():
         lines.append("explain: " + text.rstrip())
     return "\n".join(lines) + "\n"
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("splits", help="show how a model splits over devices (real or simulated)",
-                              formatter_class=argparse.RawDescriptionHelpFormatter,
-                              description=__doc__.split("\n\n", 1)[1] + _spec_help())
+    p = subparsers.add_parser(
+        "splits",
+        help="show how a model splits over devices (real or simulated)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n", 1)[1] + _spec_help(),
+    )
     p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--device", action="append", default=[], metavar="SPEC",
-                   help="a device in priority order: sim:NAME[:KEY=VALUE]..., null[:NAME], cpu, or a backend name")
-    p.add_argument("--n-gpu-layers", "-ngl", type=int, default=-1, dest="n_gpu_layers",
-                   help="layers to offload, the output layer counting as one (default: all)")
+    p.add_argument(
+        "--device",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a device in priority order: sim:NAME[:KEY=VALUE]..., null[:NAME], cpu, or a backend name",
+    )
+    p.add_argument(
+        "--n-gpu-layers",
+        "-ngl",
+        type=int,
+        default=-1,
+        dest="n_gpu_layers",
+        help="layers to offload, the output layer counting as one (default: all)",
+    )
     p.add_argument("--n-tokens", type=int, default=1, dest="n_tokens", help="tokens in the planned batch")
-    p.add_argument("--n-outputs", type=int, default=1, dest="n_outputs", help="rows of logits the batch returns")
-    p.add_argument("--override-tensor", "-ot", action="append", default=[], metavar="REGEX=DEVICE",
-                   dest="override_tensor", help="put matching tensors on DEVICE (e.g. 'blk\\.1\\.ffn_.*=cpu')")
+    p.add_argument(
+        "--n-outputs", type=int, default=1, dest="n_outputs", help="rows of logits the batch returns"
+    )
+    p.add_argument(
+        "--override-tensor",
+        "-ot",
+        action="append",
+        default=[],
+        metavar="REGEX=DEVICE",
+        dest="override_tensor",
+        help="put matching tensors on DEVICE (e.g. 'blk\\.1\\.ffn_.*=cpu')",
+    )
     p.add_argument("--split-mode", choices=["none", "layer"], default="layer", dest="split_mode")
     p.add_argument("--main-gpu", type=int, default=0, dest="main_gpu")
-    p.add_argument("--tensor-split", default="", dest="tensor_split", help="layer shares per device, e.g. 3,1")
+    p.add_argument(
+        "--tensor-split", default="", dest="tensor_split", help="layer shares per device, e.g. 3,1"
+    )
     p.add_argument("--n-ctx", type=int, default=4096, dest="n_ctx")
     p.add_argument("--n-ubatch", type=int, default=512, dest="n_ubatch")
     p.add_argument("--flash-attn", choices=["on", "off"], default="off", dest="flash_attn")
@@ -183,8 +250,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--n-copies", type=int, default=1, dest="n_copies", help="pipeline-parallel copies (1-4)")
     p.add_argument("--format", choices=["text", "json", "svg"], default="text")
     p.add_argument("--nodes", action="store_true", help="list every op of every split (text format)")
-    p.add_argument("--explain", action="append", default=[], metavar="NAME",
-                   help="why a value (by name or %%index) runs where it does")
+    p.add_argument(
+        "--explain",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="why a value (by name or %%index) runs where it does",
+    )
     p.add_argument("--out", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_splits)
 

@@ -34,8 +34,12 @@ class BackendError(RuntimeError):
 class Executable(Protocol):
     """A compiled graph: run(leaf values by name, dim bindings) -> outputs by name."""
 
-    def __call__(self, leaf_values: Mapping[str, np.ndarray], bindings: Bindings,
-                 observe: Callable[[Node, np.ndarray], bool] | None = None) -> dict[str, np.ndarray]: ...
+    def __call__(
+        self,
+        leaf_values: Mapping[str, np.ndarray],
+        bindings: Bindings,
+        observe: Callable[[Node, np.ndarray], bool] | None = None,
+    ) -> dict[str, np.ndarray]: ...
 
 
 class DeviceType(enum.Enum):
@@ -65,8 +69,14 @@ class BufferType:
     """Allocates buffers on one device. `is_host`: the memory is ordinary host memory, so any
     backend that can read host memory may use it directly (no copy)."""
 
-    def __init__(self, name: str, device: Device | None, alignment: int = 32, max_size: int | None = None,
-                 is_host: bool = False):
+    def __init__(
+        self,
+        name: str,
+        device: Device | None,
+        alignment: int = 32,
+        max_size: int | None = None,
+        is_host: bool = False,
+    ):
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"buffer type {name}: alignment {alignment} is not a power of two")
         self.name = name
@@ -79,7 +89,9 @@ class BufferType:
         """ggml_backend_buft_get_alloc_size: bytes a tensor of `nbytes` takes in this buffer type."""
         return int(nbytes)
 
-    def alloc_buffer(self, size: int, usage: BufferUsage = BufferUsage.ANY, materialize: bool = True) -> Buffer:
+    def alloc_buffer(
+        self, size: int, usage: BufferUsage = BufferUsage.ANY, materialize: bool = True
+    ) -> Buffer:
         return Buffer(self, size, usage, materialize)
 
     def __repr__(self) -> str:
@@ -90,7 +102,9 @@ class Buffer:
     """A block of `size` bytes of one buffer type. `data` is a uint8 array (None when the
     buffer only accounts for memory, as for weights that stay in the caller's arrays)."""
 
-    def __init__(self, buft: BufferType, size: int, usage: BufferUsage = BufferUsage.ANY, materialize: bool = True):
+    def __init__(
+        self, buft: BufferType, size: int, usage: BufferUsage = BufferUsage.ANY, materialize: bool = True
+    ):
         self.buft = buft
         self.size = int(size)
         self.usage = usage
@@ -105,9 +119,11 @@ class Buffer:
         if self.data is None:
             raise BackendError(f"{self.buft.name} buffer of {self.size} bytes holds no data")
         if offset < 0 or offset + nbytes > self.size:
-            raise BackendError(f"{self.buft.name} buffer: bytes [{offset}, {offset + nbytes}) are outside its "
-                               f"{self.size} bytes")
-        return self.data[offset:offset + nbytes]
+            raise BackendError(
+                f"{self.buft.name} buffer: bytes [{offset}, {offset + nbytes}) are outside its "
+                f"{self.size} bytes"
+            )
+        return self.data[offset : offset + nbytes]
 
     def __repr__(self) -> str:
         return f"<buffer {self.buft.name} {self.size} bytes {self.usage.value}>"
@@ -136,8 +152,16 @@ class Event:
 class Device:
     """A device: its type, memory, capabilities, buffer types, and the backends it creates."""
 
-    def __init__(self, name: str, type: DeviceType, memory_total: int, description: str = "",
-                 caps: DeviceCaps = DeviceCaps(), alignment: int = 32, host_memory: bool = False):
+    def __init__(
+        self,
+        name: str,
+        type: DeviceType,
+        memory_total: int,
+        description: str = "",
+        caps: DeviceCaps = DeviceCaps(),
+        alignment: int = 32,
+        host_memory: bool = False,
+    ):
         self.name = name
         self.type = type
         self.memory_total = int(memory_total)
@@ -269,8 +293,9 @@ class Backend:
     def compile(self, graph: Graph) -> Executable:
         raise BackendError(f"backend {self.name} cannot compile whole graphs")
 
-    def graph_compute(self, run: SplitRun, memory: SplitMemory,
-                      observe: Callable[[Node, np.ndarray], bool] | None = None) -> bool:
+    def graph_compute(
+        self, run: SplitRun, memory: SplitMemory, observe: Callable[[Node, np.ndarray], bool] | None = None
+    ) -> bool:
         """Compute one split: read its inputs from `memory`, write its results there. Returns
         False when `observe` asked to stop. The default compiles the split's subgraph."""
         from llamir.passes.sched_exec import compute_through_compile

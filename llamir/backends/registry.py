@@ -23,6 +23,7 @@ def _lazy(module: str, cls: str) -> Callable[[], Backend]:
         import importlib
 
         return getattr(importlib.import_module(module), cls)()
+
     return make
 
 
@@ -64,10 +65,10 @@ def get_backend(name: str) -> Backend:
 def backend_from_spec(spec: str) -> Backend:
     """A device for the scheduler from its text spec:
 
-        cpu | numpy          the host CPU (numpy reference)
-        null | null:NAME     claims every op, runs nothing
-        sim:NAME[:KEY=VAL]   a simulated device (see llamir.backends.sim.spec)
-        NAME                 any registered backend or plugin (llvm, cuda, ...)
+    cpu | numpy          the host CPU (numpy reference)
+    null | null:NAME     claims every op, runs nothing
+    sim:NAME[:KEY=VAL]   a simulated device (see llamir.backends.sim.spec)
+    NAME                 any registered backend or plugin (llvm, cuda, ...)
     """
     from llamir.backends.sim.spec import SpecError
 
@@ -88,8 +89,10 @@ def backend_from_spec(spec: str) -> Backend:
 
         return SimBackend.from_spec(text)
     if rest:
-        raise SpecError(f"device spec {spec!r}: unknown device kind {head!r} (cpu, null[:NAME], "
-                        f"sim:NAME[:KEY=VALUE]..., or a backend: {', '.join(available_backends())})")
+        raise SpecError(
+            f"device spec {spec!r}: unknown device kind {head!r} (cpu, null[:NAME], "
+            f"sim:NAME[:KEY=VALUE]..., or a backend: {', '.join(available_backends())})"
+        )
     try:
         return get_backend(head)
     except BackendError as err:

@@ -85,13 +85,22 @@ class Placement:
         for b in self.backends:
             if b.label == name:
                 return b
-        raise PlacementError(f"no device named {name!r} (devices: {', '.join(b.label for b in self.backends)})")
+        raise PlacementError(
+            f"no device named {name!r} (devices: {', '.join(b.label for b in self.backends)})"
+        )
 
     def buffers(self) -> dict[str, TensorBuffer]:
         """Leaf name -> buffer for the scheduler: weights (WEIGHTS usage) and the KV cache."""
-        out = {name: TensorBuffer(self.backend(p.device).device.buffer_type(), True) for name, p in self.weights.items()}
-        out.update({name: TensorBuffer(self.backend(dev).device.buffer_type(), False)
-                    for name, dev in self.state.items()})
+        out = {
+            name: TensorBuffer(self.backend(p.device).device.buffer_type(), True)
+            for name, p in self.weights.items()
+        }
+        out.update(
+            {
+                name: TensorBuffer(self.backend(dev).device.buffer_type(), False)
+                for name, dev in self.state.items()
+            }
+        )
         return out
 
     def apply(self, graph: Graph) -> Graph:
@@ -112,8 +121,10 @@ class Placement:
 
     def weight_values(self, model, graph: Graph) -> dict:
         """Every weight leaf of `graph` by name, duplicates read from their source tensor."""
-        return {leaf.name: model.weight_array(self.sources.get(leaf.name, leaf.name))
-                for leaf in graph.leafs_of_kind("weight")}
+        return {
+            leaf.name: model.weight_array(self.sources.get(leaf.name, leaf.name))
+            for leaf in graph.leafs_of_kind("weight")
+        }
 
     def pins(self, graph: Graph, n_tokens: int) -> dict[Node, str]:
         """llama_context::graph_get_cb: a layer's norm (and l_last) is pinned to the layer's device
@@ -135,7 +146,10 @@ class Placement:
 
     def memory_use(self) -> dict[str, tuple[int, int]]:
         """Device name -> (weight bytes, KV-cache bytes)."""
-        return {b.label: (self.weight_bytes.get(b.label, 0), self.state_bytes.get(b.label, 0)) for b in self.backends}
+        return {
+            b.label: (self.weight_bytes.get(b.label, 0), self.state_bytes.get(b.label, 0))
+            for b in self.backends
+        }
 
     def check_memory(self, compute: Mapping[str, int] | None = None) -> None:
         """PlacementError when weights + KV cache (+ compute buffers) exceed a device's memory."""
@@ -148,13 +162,16 @@ class Placement:
                 raise PlacementError(
                     f"not enough memory on {b.label}: weights {_mib(w)} + KV cache {_mib(kv)}{extra} = {_mib(total)}"
                     f" > {_mib(b.device.memory_total)} (n_gpu_layers = {self.params.n_gpu_layers}); offload fewer "
-                    f"layers or give the device more memory")
+                    f"layers or give the device more memory"
+                )
 
     def summary(self) -> str:
         groups: dict[str, list[str]] = {}
         for il, dev in enumerate(self.layer_device):
             groups.setdefault(dev, []).append(str(il))
-        lines = [f"layers: {'; '.join(f'{d}: {_ranges(v)}' for d, v in groups.items())}; output: {self.output_device}"]
+        lines = [
+            f"layers: {'; '.join(f'{d}: {_ranges(v)}' for d, v in groups.items())}; output: {self.output_device}"
+        ]
         for b in self.backends:
             w, kv = self.weight_bytes.get(b.label, 0), self.state_bytes.get(b.label, 0)
             lines.append(f"{b.label}: weights {_mib(w)}, KV cache {_mib(kv)}")
@@ -168,7 +185,7 @@ def _mib(n: int) -> str:
 def _ranges(items: list[str]) -> str:
     nums = [int(x) for x in items]
     out, start = [], nums[0]
-    for a, b in zip(nums, nums[1:] + [None]):
+    for a, b in zip(nums, nums[1:] + [None], strict=True):
         if b != a + 1:
             out.append(f"{start}" if start == a else f"{start}-{a}")
             start = b
@@ -195,8 +212,8 @@ def _norm_layer(node: Node) -> int | None:
     result is then scaled by a layer's norm weight."""
     name = node.name or ""
     for base in ("norm-", "l_last-"):
-        if name.startswith(base) and name[len(base):].isdigit():
-            return int(name[len(base):])
+        if name.startswith(base) and name[len(base) :].isdigit():
+            return int(name[len(base) :])
     if not node.is_op(ops.RmsNorm, ops.Norm):
         return None
     for user in node.users:
@@ -210,8 +227,10 @@ def _norm_layer(node: Node) -> int | None:
 def _layer_splits(devices: Sequence[Backend], tensor_split: Sequence[float]) -> list[float]:
     """Cumulative, normalised split points (by free memory when tensor_split is all zero)."""
     if tensor_split and len(tensor_split) != len(devices):
-        raise PlacementError(f"tensor_split has {len(tensor_split)} values for {len(devices)} devices "
-                             f"({', '.join(d.label for d in devices)})")
+        raise PlacementError(
+            f"tensor_split has {len(tensor_split)} values for {len(devices)} devices "
+            f"({', '.join(d.label for d in devices)})"
+        )
     if any(x < 0 for x in tensor_split):
         raise PlacementError(f"tensor_split values must be >= 0, got {list(tensor_split)}")
     weights = list(tensor_split) if any(tensor_split) else [float(d.device.memory_free) for d in devices]
@@ -222,11 +241,15 @@ def _layer_splits(devices: Sequence[Backend], tensor_split: Sequence[float]) -> 
     return out
 
 
-def place_model(model, graph: Graph, backends: Sequence[Backend], params: PlacementParams | None = None) -> Placement:
+def place_model(
+    model, graph: Graph, backends: Sequence[Backend], params: PlacementParams | None = None
+) -> Placement:
     """Place `model`'s weights (those `graph` uses) and KV cache on `backends` (devices, CPU last)."""
     params = params or PlacementParams()
     if params.split_mode not in SPLIT_MODES:
-        raise PlacementError(f"split_mode {params.split_mode!r} is not supported (choose one of {', '.join(SPLIT_MODES)})")
+        raise PlacementError(
+            f"split_mode {params.split_mode!r} is not supported (choose one of {', '.join(SPLIT_MODES)})"
+        )
     if not backends or not backends[-1].is_cpu:
         raise PlacementError("the device list must end with the CPU")
     cpu, gpus = backends[-1], list(backends[:-1])
@@ -246,8 +269,9 @@ def place_model(model, graph: Graph, backends: Sequence[Backend], params: Placem
         k = bisect.bisect_right(splits, (il - i_gpu_start) / act_gpu_layers)
         return gpus[min(k, len(gpus) - 1)].label
 
-    placement = Placement(gpus, cpu, params, n_layer, [device_of_layer(il) for il in range(n_layer)],
-                          device_of_layer(n_layer))
+    placement = Placement(
+        gpus, cpu, params, n_layer, [device_of_layer(il) for il in range(n_layer)], device_of_layer(n_layer)
+    )
     overrides = [(re.compile(rx), dev) for rx, dev in params.overrides]
     for _, dev in params.overrides:
         placement.backend(dev)  # a clear error for an unknown or unused device
@@ -273,8 +297,13 @@ def place_model(model, graph: Graph, backends: Sequence[Backend], params: Placem
 
 def _consumers(graph: Graph, name: str, source: str | None) -> list[Node]:
     if name == "output.weight" and source:
-        return [n for n in graph.nodes if n.is_op(ops.MulMat) and n.inputs[0].name in (name, source)
-                and (n.name == "result_output" or n is graph.outputs.get("logits"))]
+        return [
+            n
+            for n in graph.nodes
+            if n.is_op(ops.MulMat)
+            and n.inputs[0].name in (name, source)
+            and (n.name == "result_output" or n is graph.outputs.get("logits"))
+        ]
     leaf = next((x for x in graph.leafs if x.name == name), None)
     return list(leaf.users) if leaf is not None else []
 
@@ -286,9 +315,11 @@ def _place_weight(p: Placement, graph: Graph, name: str, overrides) -> WeightPla
             backend = p.backend(dev)
             bad = [u for u in users if not backend.supports_op(u)]
             if bad:
-                raise PlacementError(f"tensor {name} is overridden to {dev} by {rx.pattern!r}, but {dev} cannot run "
-                                     f"{bad[0].op.name} ({bad[0].name or 'unnamed'}) that uses it")
-            return WeightPlace(dev, f"override {rx.pattern!r}")
+                raise PlacementError(
+                    f"tensor {name} is overridden to {dev} by {rx.pattern!r}, but {dev} cannot run "
+                    f"{bad[0].op.name} ({bad[0].name or 'unnamed'}) that uses it"
+                )
+            return WeightPlace(dev, f"override {rx.pattern}={dev}")
     layer = tensor_layer(name)
     if layer == "input":
         return WeightPlace(p.cpu.label, "input layer (always on the CPU)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-MAX_CHUNKS = 16        # GGML_VBUFFER_MAX_CHUNKS
+MAX_CHUNKS = 16  # GGML_VBUFFER_MAX_CHUNKS
 MAX_FREE_BLOCKS = 256
 SIZE_MAX_HALF = (1 << 63) - 1
 
@@ -70,7 +70,9 @@ class DynAllocator:
                     continue
                 offset, bsize = chunk.blocks[-1]
                 reuse = chunk.max_size - offset - size
-                better_reuse = (best_reuse is None or best_reuse < 0) and (best_reuse is None or reuse > best_reuse)
+                better_reuse = (best_reuse is None or best_reuse < 0) and (
+                    best_reuse is None or reuse > best_reuse
+                )
                 better_fit = reuse >= 0 and best_reuse is not None and reuse < best_reuse
                 if bsize >= size and (better_reuse or better_fit):
                     best_chunk, best_block, best_reuse = c, len(chunk.blocks) - 1, reuse
@@ -149,7 +151,7 @@ class Allocation:
     """Where every owned tensor went, and each buffer's chunk peaks (bytes)."""
 
     addresses: dict[int, tuple[int, Address, int]]  # id(ATensor) -> (buffer id, address, size)
-    inplace: dict[int, ATensor]                     # id(child) -> the parent whose memory it took
+    inplace: dict[int, ATensor]  # id(child) -> the parent whose memory it took
     chunk_sizes: list[list[int]]
 
     def buffer_size(self, buffer_id: int) -> int:
@@ -171,8 +173,13 @@ class GraphAllocator:
     def _alloc_size(self, t: ATensor, buffer_id: int) -> int:
         return self.bufts[buffer_id].alloc_size(t.nbytes)
 
-    def reserve(self, leafs: Sequence[ATensor], leaf_ids: Sequence[int], nodes: Sequence[ATensor],
-                node_ids: Sequence[int]) -> Allocation:
+    def reserve(
+        self,
+        leafs: Sequence[ATensor],
+        leaf_ids: Sequence[int],
+        nodes: Sequence[ATensor],
+        node_ids: Sequence[int],
+    ) -> Allocation:
         """ggml_gallocr_reserve_n: run the allocation on the graph and measure each buffer."""
         for a in {id(a): a for a in self.allocs}.values():
             a.reset()
@@ -206,7 +213,11 @@ class GraphAllocator:
         are never owned by the allocator, so it is left out.)"""
         for parent in t.srcs:
             p = self._r(parent)
-            if not p.allocated or parent.is_output or (parent.view_src is not None and parent.view_src.is_output):
+            if (
+                not p.allocated
+                or parent.is_output
+                or (parent.view_src is not None and parent.view_src.is_output)
+            ):
                 continue
             if parent.layout != t.layout or p.n_children != 1 or p.n_views != 0:
                 continue
@@ -233,9 +244,9 @@ class GraphAllocator:
         r.allocated = False
 
     def _alloc_graph(self, leafs, leaf_ids, nodes, node_ids) -> None:
-        for leaf, b in zip(leafs, leaf_ids):
+        for leaf, b in zip(leafs, leaf_ids, strict=True):
             self._allocate(leaf, b)
-        for node, b in zip(nodes, node_ids):  # count children and views; inputs first
+        for node, b in zip(nodes, node_ids, strict=True):  # count children and views; inputs first
             if node.view_src is not None and not node.dep:
                 self._r(node.view_src).n_views += 1
             if node.is_input:
@@ -244,7 +255,7 @@ class GraphAllocator:
                 self._r(src).n_children += 1
                 if src.is_input:
                     self._allocate(src, b)
-        for node, b in zip(nodes, node_ids):
+        for node, b in zip(nodes, node_ids, strict=True):
             for parent in node.srcs:
                 self._allocate(parent, b)
             self._allocate(node, b)

@@ -16,14 +16,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llamir.ir import Graph, Node, ops
-from llamir.passes.sched_plan import Cause, InputCopy, Split, SplitPlan, ggml_nbytes, is_view_like, \
-    value_strides, view_root
+from llamir.passes.sched_plan import (
+    Cause,
+    InputCopy,
+    Split,
+    SplitPlan,
+    ggml_nbytes,
+    is_view_like,
+    value_strides,
+    view_root,
+)
 
 if TYPE_CHECKING:
     from llamir.backends.base import Backend, BufferType
 
-MAX_BACKENDS = 16   # GGML_SCHED_MAX_BACKENDS
-MAX_COPIES = 4      # GGML_SCHED_MAX_COPIES
+MAX_BACKENDS = 16  # GGML_SCHED_MAX_BACKENDS
+MAX_COPIES = 4  # GGML_SCHED_MAX_COPIES
 
 
 class SchedError(ValueError):
@@ -54,13 +62,21 @@ class ScheduledGraph:
 class Scheduler:
     """ggml_backend_sched: backends in priority order (CPU last), one buffer type each."""
 
-    def __init__(self, backends: Sequence[Backend], buffers: Mapping[str, TensorBuffer] | None = None, *,
-                 op_offload: bool = True, n_copies: int = 1):
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        buffers: Mapping[str, TensorBuffer] | None = None,
+        *,
+        op_offload: bool = True,
+        n_copies: int = 1,
+    ):
         if not 1 <= len(backends) <= MAX_BACKENDS:
             raise SchedError(f"the scheduler takes 1..{MAX_BACKENDS} backends, got {len(backends)}")
         if not backends[-1].is_cpu:
-            raise SchedError(f"the last backend must be the CPU, got {backends[-1].label} "
-                             f"(order: {', '.join(b.label for b in backends)})")
+            raise SchedError(
+                f"the last backend must be the CPU, got {backends[-1].label} "
+                f"(order: {', '.join(b.label for b in backends)})"
+            )
         labels = [b.label for b in backends]
         if len(set(labels)) != len(labels):
             raise SchedError(f"backend names must be unique, got {', '.join(labels)}")
@@ -68,7 +84,7 @@ class Scheduler:
             raise SchedError(f"n_copies must be in 1..{MAX_COPIES}, got {n_copies}")
         self.backends = list(backends)
         self.bufts = [b.device.buffer_type() for b in backends]
-        for b, buft in zip(backends, self.bufts):
+        for b, buft in zip(backends, self.bufts, strict=True):
             if not b.supports_buft(buft):
                 raise SchedError(f"backend {b.label} does not support its own buffer type {buft.name}")
         self.buffers = dict(buffers or {})
@@ -144,8 +160,10 @@ class Scheduler:
     def split_graph(self, graph: Graph, pins: Pins | None = None) -> SplitPlan:
         """Assign backends and cut splits (passes 1-6 of ggml_backend_sched_split_graph)."""
         if graph.dim_names:
-            raise SchedError(f"graph {graph.name} still has symbolic dims {list(graph.dim_names)}; "
-                             f"bind them first (llamir.ir.bind.bind_dims)")
+            raise SchedError(
+                f"graph {graph.name} still has symbolic dims {list(graph.dim_names)}; "
+                f"bind them first (llamir.ir.bind.bind_dims)"
+            )
         return _SplitRun(self, graph, pins or {}).run()
 
 
@@ -166,15 +184,19 @@ class _SplitRun:
             value = key if isinstance(key, Node) else self._find(key)
             b = self.s.backend_id(backend)
             if not value.is_leaf and not self.backends[b].supports_op(value):
-                raise SchedError(f"{value.op.name} {value.name or ''} is pinned to {self.backends[b].label}, "
-                                 f"which does not support it")
+                raise SchedError(
+                    f"{value.op.name} {value.name or ''} is pinned to {self.backends[b].label}, "
+                    f"which does not support it"
+                )
             self._set(value, b, Cause("usr", f"pinned to {self.backends[b].label}"))
 
     def _find(self, name: str) -> Node:
         try:
             return self.graph.find(name)
         except KeyError:
-            raise SchedError(f"cannot pin {name!r}: graph {self.graph.name} has no value of that name") from None
+            raise SchedError(
+                f"cannot pin {name!r}: graph {self.graph.name} has no value of that name"
+            ) from None
 
     def _set(self, value: Node, b: int, cause: Cause) -> None:
         self.assign[id(value)] = b
@@ -224,9 +246,11 @@ class _SplitRun:
             if b != -1:
                 code = "1.dst" if value.is_leaf else "1.vsrc"
                 return b, Cause(code, f"{self.label(view_root(value))} is in {tb.buft.name} memory")
-            raise SchedError(f"pre-allocated tensor {self.label(view_root(value))} in a {tb.buft.name} buffer "
-                             f"cannot run {value.op.name} ({self.label(value)}): no backend that uses "
-                             f"{tb.buft.name} memory supports it")
+            raise SchedError(
+                f"pre-allocated tensor {self.label(view_root(value))} in a {tb.buft.name} buffer "
+                f"cannot run {value.op.name} ({self.label(value)}): no backend that uses "
+                f"{tb.buft.name} memory supports it"
+            )
         if value.is_leaf:
             if value.kind == "input":
                 return self.s.cpu, Cause("1.inp", "a graph input")
@@ -239,14 +263,19 @@ class _SplitRun:
                 continue
             wb = self.from_buffer(src_tb.buft, value)
             if wb == -1:
-                raise SchedError(f"weight {src.name} is in {src_tb.buft.name} memory, but no backend using that "
-                                 f"memory runs {value.op.name} ({self.label(value)}); backends: "
-                                 f"{', '.join(b.label for b in self.backends)}")
+                raise SchedError(
+                    f"weight {src.name} is in {src_tb.buft.name} memory, but no backend using that "
+                    f"memory runs {value.op.name} ({self.label(value)}); backends: "
+                    f"{', '.join(b.label for b in self.backends)}"
+                )
             if self.s.op_offload and wb == self.s.cpu and src_tb.buft.is_host:
                 for b in range(wb):
                     if self.backends[b].supports_op(value) and self.backends[b].offload_op(value):
-                        return b, Cause("1.off", f"weight {src.name} is in host memory; "
-                                                 f"{self.backends[b].label} offloads this batch")
+                        return b, Cause(
+                            "1.off",
+                            f"weight {src.name} is in host memory; "
+                            f"{self.backends[b].label} offloads this batch",
+                        )
             return wb, Cause("1.wgt", f"weight {src.name} is in {src_tb.buft.name} memory")
         return -1, None
 
@@ -268,7 +297,9 @@ class _SplitRun:
             if b != -1:
                 cur, via = (-1, None) if gpu_only and b == self.s.cpu else (b, node)
             elif cur != -1 and self.backends[cur].supports_op(node):
-                self._set(node, cur, Cause(code, f"next to {self.label(via)} on {self.backends[cur].label}", via))
+                self._set(
+                    node, cur, Cause(code, f"next to {self.label(via)} on {self.backends[cur].label}", via)
+                )
 
     # -- pass 3: upgrades and the remaining nodes -------------------------------------------------
     def pass3(self) -> None:
@@ -281,16 +312,25 @@ class _SplitRun:
                 for b, backend in enumerate(self.backends):
                     if not backend.supports_op(node):
                         continue
-                    n = sum(1 for src in node.inputs if (self.get(src) != -1 or self.get(view_root(src)) != -1)
-                            and self.buffer_supported(src, b))
+                    n = sum(
+                        1
+                        for src in node.inputs
+                        if (self.get(src) != -1 or self.get(view_root(src)) != -1)
+                        and self.buffer_supported(src, b)
+                    )
                     if n > best_n:
                         best, best_n = b, n
                 if best != -1:
-                    self._set(node, best, Cause("3.best", f"{best_n} of {len(node.inputs)} inputs usable there"))
+                    self._set(
+                        node, best, Cause("3.best", f"{best_n} of {len(node.inputs)} inputs usable there")
+                    )
                 continue
             for b in range(cur):
-                if (self.s.bufts[b] is self.s.bufts[cur] and self.backends[b].supports_op(node)
-                        and all(self.buffer_supported(src, b) for src in node.inputs)):
+                if (
+                    self.s.bufts[b] is self.s.bufts[cur]
+                    and self.backends[b].supports_op(node)
+                    and all(self.buffer_supported(src, b) for src in node.inputs)
+                ):
                     self._set(node, b, Cause("3.upg", f"from {self.backends[cur].label}"))
                     break
 
@@ -314,8 +354,10 @@ class _SplitRun:
                         self._set(node, b, Cause("4.first"))
                         break
             if self.get(node) == -1:
-                raise SchedError(f"no backend supports {node.op.name} ({self.label(node)}, {node.type}); "
-                                 f"backends: {', '.join(b.label for b in self.backends)}")
+                raise SchedError(
+                    f"no backend supports {node.op.name} ({self.label(node)}, {node.type}); "
+                    f"backends: {', '.join(b.label for b in self.backends)}"
+                )
         for leaf in self.graph.leafs:  # unused leaves: where their memory is, or the CPU
             if self.get(leaf) == -1:
                 self._set(leaf, self.s.cpu, Cause("4.first", "an unused leaf"))
@@ -328,7 +370,9 @@ class _SplitRun:
         key = (id(src), b)
         if key not in copies:
             name = f"{self.backends[b].label}#{src.name or f'%{self.ids[id(src)]}'}"
-            copies[key] = [InputCopy(src, b, c, f"{name}#{c}", self.nbytes(src)) for c in range(self.s.n_copies)]
+            copies[key] = [
+                InputCopy(src, b, c, f"{name}#{c}", self.nbytes(src)) for c in range(self.s.n_copies)
+            ]
             split.inputs.append(src)
             split.copies.append(copies[key][self.s.cur_copy])
             split.pipeline.append(copies[key])
@@ -344,10 +388,18 @@ class _SplitRun:
             if node.op.is_view:
                 continue
             split, nb = splits[-1], self.get(node)
-            need_new = nb == split.backend and split.inputs and any(
-                src.is_leaf and (tb := self.buffer(src)) is not None and tb.weights
-                and self.get(src) != split.backend and not self.buffer_supported(src, split.backend)
-                for src in node.inputs)
+            need_new = (
+                nb == split.backend
+                and split.inputs
+                and any(
+                    src.is_leaf
+                    and (tb := self.buffer(src)) is not None
+                    and tb.weights
+                    and self.get(src) != split.backend
+                    and not self.buffer_supported(src, split.backend)
+                    for src in node.inputs
+                )
+            )
             if nb != split.backend or need_new:
                 split.i_end = i
                 split = Split(len(splits), nb, i, len(nodes))
@@ -356,7 +408,7 @@ class _SplitRun:
             for j, src in enumerate(node.inputs):
                 if self.get(src) != split.backend and not self.buffer_supported(src, split.backend):
                     new_inputs[j] = self.copy_of(src, split.backend, copies, split)
-            if any(a is not b for a, b in zip(new_inputs, node.inputs)):
+            if any(a is not b for a, b in zip(new_inputs, node.inputs, strict=True)):
                 sources[id(node)] = tuple(new_inputs)
         return splits, sources
 
@@ -369,8 +421,10 @@ class _SplitRun:
         for leaf in self.graph.leafs_of_kind("input"):
             b = self.get(leaf)
             name = f"{self.backends[b].label}#{leaf.name}"
-            out[id(leaf)] = [leaf if c == self.s.cur_copy else InputCopy(leaf, b, c, f"{name}#{c}", self.nbytes(leaf))
-                             for c in range(self.s.n_copies)]
+            out[id(leaf)] = [
+                leaf if c == self.s.cur_copy else InputCopy(leaf, b, c, f"{name}#{c}", self.nbytes(leaf))
+                for c in range(self.s.n_copies)
+            ]
         return out
 
     def run(self) -> SplitPlan:
@@ -383,6 +437,15 @@ class _SplitRun:
         self.pass3()
         self.pass4()
         splits, sources = self.pass5()
-        return SplitPlan(self.graph, self.backends, self.s.n_copies, self.s.cur_copy, self.s.op_offload,
-                         self.assign, self.causes, splits, sources, self.graph_input_copies())
-
+        return SplitPlan(
+            self.graph,
+            self.backends,
+            self.s.n_copies,
+            self.s.cur_copy,
+            self.s.op_offload,
+            self.assign,
+            self.causes,
+            splits,
+            sources,
+            self.graph_input_copies(),
+        )

@@ -67,8 +67,9 @@ def build_alloc_graph(plan: SplitPlan) -> AllocGraph:
         t = tensors.get(id(ref))
         if t is None:
             src = of_value(ref.src)
-            t = tensors[id(ref)] = ATensor(ref.name, ref.nbytes, src.layout, is_input=pipelined,
-                                           is_output=pipelined, key=ref)
+            t = tensors[id(ref)] = ATensor(
+                ref.name, ref.nbytes, src.layout, is_input=pipelined, is_output=pipelined, key=ref
+            )
         return t
 
     leafs, leaf_ids, nodes, node_ids = [], [], [], []
@@ -86,10 +87,18 @@ def build_alloc_graph(plan: SplitPlan) -> AllocGraph:
         leafs.append(of_value(leaf))
         leaf_ids.append(plan.assignment[id(leaf)])
     for split in plan.splits:
-        for inp, cpy in zip(split.inputs, split.copies):
+        for inp, cpy in zip(split.inputs, split.copies, strict=True):
             src = of_value(inp)
-            nodes.append(ATensor(f"dep#{src.name}", src.nbytes, src.layout, srcs=[src],
-                                 view_src=src.view_src or src, dep=True))
+            nodes.append(
+                ATensor(
+                    f"dep#{src.name}",
+                    src.nbytes,
+                    src.layout,
+                    srcs=[src],
+                    view_src=src.view_src or src,
+                    dep=True,
+                )
+            )
             node_ids.append(plan.backend_index(inp))
             nodes.append(of_ref(cpy))
             node_ids.append(split.backend)
@@ -124,16 +133,20 @@ def check_allocation(ag: AllocGraph, allocation: Allocation, allocators: list) -
     for tid, (buffer_id, addr, size) in allocation.addresses.items():
         t = every[tid]
         life_end = math.inf if t.is_output else max(end[tid], start[tid])
-        spans.append((id(allocators[buffer_id]), addr.chunk, addr.offset, addr.offset + size, start[tid], life_end, t))
+        spans.append(
+            (id(allocators[buffer_id]), addr.chunk, addr.offset, addr.offset + size, start[tid], life_end, t)
+        )
     spans.sort(key=lambda s: (s[0], s[1], s[2]))
     for i, a in enumerate(spans):
-        for b in spans[i + 1:]:
+        for b in spans[i + 1 :]:
             if (b[0], b[1]) != (a[0], a[1]) or b[2] >= a[3]:
                 break
             if a[4] <= b[5] and b[4] <= a[5] and not _inplace_pair(a, b, allocation):
                 ta, tb = a[6], b[6]
-                raise AllocCheckError(f"{ta.name} [{a[2]}, {a[3]}) live {a[4]}..{a[5]} overlaps {tb.name} "
-                                      f"[{b[2]}, {b[3]}) live {b[4]}..{b[5]} in chunk {a[1]}")
+                raise AllocCheckError(
+                    f"{ta.name} [{a[2]}, {a[3]}) live {a[4]}..{a[5]} overlaps {tb.name} "
+                    f"[{b[2]}, {b[3]}) live {b[4]}..{b[5]} in chunk {a[1]}"
+                )
     return len(spans)
 
 
@@ -152,7 +165,7 @@ class ComputeBuffers:
     def __init__(self, bufts: list):
         self.bufts = bufts
         self.galloc = GraphAllocator(bufts)
-        self.sizes: dict[int, list[int]] = {}   # id(allocator) -> reserved chunk sizes
+        self.sizes: dict[int, list[int]] = {}  # id(allocator) -> reserved chunk sizes
         self.n_reallocs = 0
         self._buffers: dict[tuple[int, int], object] = {}
 

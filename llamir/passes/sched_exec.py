@@ -49,7 +49,7 @@ def _raw_window(value: np.ndarray, root: np.ndarray, nbytes: int) -> np.ndarray:
     if flat.__array_interface__["data"][0] != root.__array_interface__["data"][0]:
         raise ExecError("a value's memory is not contiguous; cannot copy its bytes")
     offset = value.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-    return flat[offset:offset + nbytes]
+    return flat[offset : offset + nbytes]
 
 
 class SplitMemory:
@@ -92,8 +92,10 @@ class SplitMemory:
             value = self.user[ref.name]
             want = storage_shape(tuple(int(d) for d in ref.type.shape), ref.dtype)
             if tuple(value.shape) != want or value.dtype != storage_dtype(ref.dtype):
-                raise ExecError(f"{ref.kind} {ref.name!r}: expected {ref.type} (storage {want} "
-                                f"{storage_dtype(ref.dtype)}), got {tuple(value.shape)} {value.dtype}")
+                raise ExecError(
+                    f"{ref.kind} {ref.name!r}: expected {ref.type} (storage {want} "
+                    f"{storage_dtype(ref.dtype)}), got {tuple(value.shape)} {value.dtype}"
+                )
             self.set(ref, value, value)
             return value
         if isinstance(ref, Node) and not ref.is_leaf and ref.op.is_view:
@@ -169,8 +171,12 @@ def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe
     if key not in memory.compiled:
         memory.compiled[key] = _split_graph(backend, run)
     executable, leaf_refs, out_nodes = memory.compiled[key]
-    values = {leaf.name: memory.value(ref) if (isinstance(ref, Node) and ref.is_leaf)
-              else np.ascontiguousarray(memory.value(ref)) for leaf, ref in leaf_refs}
+    values = {
+        leaf.name: memory.value(ref)
+        if (isinstance(ref, Node) and ref.is_leaf)
+        else np.ascontiguousarray(memory.value(ref))
+        for leaf, ref in leaf_refs
+    }
     stopped = []
 
     def watch(node, value):
@@ -220,7 +226,9 @@ def _split_graph(backend, run: SplitRun):
     return backend.compile(g), leaf_refs, out_nodes
 
 
-def execute(sched, scheduled, values: Mapping[str, np.ndarray], observe: Observe = None) -> dict[str, np.ndarray]:
+def execute(
+    sched, scheduled, values: Mapping[str, np.ndarray], observe: Observe = None
+) -> dict[str, np.ndarray]:
     """ggml_backend_sched_graph_compute: inputs, then per split its copies and its compute."""
     plan = scheduled.plan
     memory = SplitMemory(sched, scheduled, values)
@@ -232,8 +240,10 @@ def execute(sched, scheduled, values: Mapping[str, np.ndarray], observe: Observe
             continue
         value = values[leaf.name]
         if tuple(value.shape) != slot.shape or value.dtype != slot.dtype:
-            raise ExecError(f"input {leaf.name!r}: expected {leaf.type} (storage {slot.shape} {slot.dtype}), "
-                            f"got {tuple(value.shape)} {value.dtype}")
+            raise ExecError(
+                f"input {leaf.name!r}: expected {leaf.type} (storage {slot.shape} {slot.dtype}), "
+                f"got {tuple(value.shape)} {value.dtype}"
+            )
         np.copyto(slot, value)
         memory.set(leaf, slot, slot)
     prev = -1
@@ -243,7 +253,7 @@ def execute(sched, scheduled, values: Mapping[str, np.ndarray], observe: Observe
         if not split.inputs and prev >= 0 and prev != split.backend:
             prev_event = _event(sched, prev, plan.cur_copy)
             prev_event.synchronize() if prev_event is not None else plan.backends[prev].synchronize()
-        for inp, cpy in zip(split.inputs, split.copies):
+        for inp, cpy in zip(split.inputs, split.copies, strict=True):
             if inp.is_leaf and inp.kind == "input" or event is None:
                 event.synchronize() if event is not None else backend.synchronize()
             else:
@@ -272,5 +282,12 @@ def _event(sched, backend_index: int, copy: int):
     return sched._events[key]
 
 
-__all__ = ["ExecError", "SplitMemory", "SplitRun", "compute_through_compile", "evaluate_split", "execute",
-           "view_root"]
+__all__ = [
+    "ExecError",
+    "SplitMemory",
+    "SplitRun",
+    "compute_through_compile",
+    "evaluate_split",
+    "execute",
+    "view_root",
+]

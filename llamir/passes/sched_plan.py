@@ -147,7 +147,7 @@ class SplitPlan:
         return sum(c.nbytes for s in self.splits for c in s.copies)
 
     def split_nodes(self, split: Split) -> list[Node]:
-        return self.graph.nodes[split.i_start:split.i_end]
+        return self.graph.nodes[split.i_start : split.i_end]
 
     # -- costs --------------------------------------------------------------------------------
     def cost_model(self, backend_index: int) -> CostModel:
@@ -165,7 +165,10 @@ class SplitPlan:
         """(compute, copy-in) seconds of one split under the backends' cost models."""
         model = self.cost_model(split.backend)
         compute = sum(model.op_seconds(n) for n in self.split_nodes(split) if not n.op.is_view)
-        copies = sum(self.copy_seconds(c, self.backend_index(i)) for i, c in zip(split.inputs, split.copies))
+        copies = sum(
+            self.copy_seconds(c, self.backend_index(i))
+            for i, c in zip(split.inputs, split.copies, strict=True)
+        )
         return compute, copies
 
     @property
@@ -186,51 +189,101 @@ class SplitPlan:
             if cause is None:
                 lines.append(f"{self.label(value)} ({what}) on {where}")
                 break
-            lines.append(f"{self.label(value)} ({what}) on {where}: [{cause.code}] "
-                         f"{cause.detail or CAUSES.get(cause.code, '')}")
+            lines.append(
+                f"{self.label(value)} ({what}) on {where}: [{cause.code}] "
+                f"{cause.detail or CAUSES.get(cause.code, '')}"
+            )
             value = cause.via
-        copies = [f"  copied to {s.index} ({self.labels[s.backend]}) as {c.name}, {format_bytes(c.nbytes)}"
-                  for s in self.splits for i, c in zip(s.inputs, s.copies) if i is self.find(name)]
-        return "\n".join(["  " * min(k, 1) + ("<- " if k else "") + line for k, line in enumerate(lines)]
-                         + copies) + "\n"
+        copies = [
+            f"  copied to {s.index} ({self.labels[s.backend]}) as {c.name}, {format_bytes(c.nbytes)}"
+            for s in self.splits
+            for i, c in zip(s.inputs, s.copies, strict=True)
+            if i is self.find(name)
+        ]
+        return (
+            "\n".join(
+                ["  " * min(k, 1) + ("<- " if k else "") + line for k, line in enumerate(lines)] + copies
+            )
+            + "\n"
+        )
 
     def to_text(self, show_nodes: bool = True) -> str:
         g = self.graph
-        lines = [f"split plan of graph {g.name}: backends {', '.join(self.labels)}; n_copies {self.n_copies}"
-                 f" (copy {self.cur_copy}); op_offload {'on' if self.op_offload else 'off'}"]
+        lines = [
+            f"split plan of graph {g.name}: backends {', '.join(self.labels)}; n_copies {self.n_copies}"
+            f" (copy {self.cur_copy}); op_offload {'on' if self.op_offload else 'off'}"
+        ]
         for split in self.splits:
             nodes = [n for n in self.split_nodes(split) if not n.op.is_view]
-            lines.append(f"split {split.index}: {self.labels[split.backend]}, nodes {split.i_start}..{split.i_end - 1}"
-                         f" ({len(nodes)} ops), {len(split.inputs)} inputs")
-            for inp, cpy in zip(split.inputs, split.copies):
-                lines.append(f"  input {self.label(inp)} from {self.labels[self.backend_index(inp)]} -> {cpy.name}"
-                             f" ({format_bytes(cpy.nbytes)})")
+            lines.append(
+                f"split {split.index}: {self.labels[split.backend]}, nodes {split.i_start}..{split.i_end - 1}"
+                f" ({len(nodes)} ops), {len(split.inputs)} inputs"
+            )
+            for inp, cpy in zip(split.inputs, split.copies, strict=True):
+                lines.append(
+                    f"  input {self.label(inp)} from {self.labels[self.backend_index(inp)]} -> {cpy.name}"
+                    f" ({format_bytes(cpy.nbytes)})"
+                )
             if show_nodes:
                 for n in nodes:
-                    lines.append(f"  %{self.ids[id(n)]} {n.op.name} {n.type}"
-                                 f"{' ' + repr(n.name) if n.name else ''} [{self.causes[id(n)].code}]")
-        lines.append(f"total: {self.n_splits} splits, {self.n_split_copies} copies, "
-                     f"{format_bytes(self.bytes_moved)} moved per batch, est. {self.est_seconds * 1e3:.3f} ms")
+                    lines.append(
+                        f"  %{self.ids[id(n)]} {n.op.name} {n.type}"
+                        f"{' ' + repr(n.name) if n.name else ''} [{self.causes[id(n)].code}]"
+                    )
+        lines.append(
+            f"total: {self.n_splits} splits, {self.n_split_copies} copies, "
+            f"{format_bytes(self.bytes_moved)} moved per batch, est. {self.est_seconds * 1e3:.3f} ms"
+        )
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict:
         def node_entry(n: Node) -> dict:
-            return {"id": self.ids[id(n)], "op": n.op.name, "name": n.name, "type": str(n.type),
-                    "cause": self.causes[id(n)].code, "detail": self.causes[id(n)].detail}
+            return {
+                "id": self.ids[id(n)],
+                "op": n.op.name,
+                "name": n.name,
+                "type": str(n.type),
+                "cause": self.causes[id(n)].code,
+                "detail": self.causes[id(n)].detail,
+            }
 
         splits = []
         for s in self.splits:
             compute, copy = self.split_seconds(s)
-            splits.append({"index": s.index, "backend": self.labels[s.backend], "i_start": s.i_start,
-                           "i_end": s.i_end,
-                           "inputs": [{"value": self.label(i), "from": self.labels[self.backend_index(i)],
-                                       "copy": c.name, "bytes": c.nbytes} for i, c in zip(s.inputs, s.copies)],
-                           "nodes": [node_entry(n) for n in self.split_nodes(s) if not n.op.is_view],
-                           "est_compute_s": compute, "est_copy_s": copy})
-        return {"graph": self.graph.name, "backends": self.labels, "n_copies": self.n_copies,
-                "cur_copy": self.cur_copy, "op_offload": self.op_offload, "splits": splits,
-                "totals": {"n_splits": self.n_splits, "n_copies": self.n_split_copies,
-                           "bytes_moved": self.bytes_moved, "est_seconds": self.est_seconds}}
+            splits.append(
+                {
+                    "index": s.index,
+                    "backend": self.labels[s.backend],
+                    "i_start": s.i_start,
+                    "i_end": s.i_end,
+                    "inputs": [
+                        {
+                            "value": self.label(i),
+                            "from": self.labels[self.backend_index(i)],
+                            "copy": c.name,
+                            "bytes": c.nbytes,
+                        }
+                        for i, c in zip(s.inputs, s.copies, strict=True)
+                    ],
+                    "nodes": [node_entry(n) for n in self.split_nodes(s) if not n.op.is_view],
+                    "est_compute_s": compute,
+                    "est_copy_s": copy,
+                }
+            )
+        return {
+            "graph": self.graph.name,
+            "backends": self.labels,
+            "n_copies": self.n_copies,
+            "cur_copy": self.cur_copy,
+            "op_offload": self.op_offload,
+            "splits": splits,
+            "totals": {
+                "n_splits": self.n_splits,
+                "n_copies": self.n_split_copies,
+                "bytes_moved": self.bytes_moved,
+                "est_seconds": self.est_seconds,
+            },
+        }
 
 
 def format_bytes(n: int) -> str:
@@ -275,9 +328,9 @@ def ggml_nbytes(value: Node, strides: tuple[int, ...]) -> int:
         return 0
     dtype = value.dtype
     if dtype.block_size == 1:
-        return dtype.type_size + sum((n - 1) * s for n, s in zip(shape, strides))
+        return dtype.type_size + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
     inner = shape[-1] * strides[-1] // dtype.block_size
-    return inner + sum((n - 1) * s for n, s in zip(shape[:-1], strides[:-1]))
+    return inner + sum((n - 1) * s for n, s in zip(shape[:-1], strides[:-1], strict=True))
 
 
 def is_view_like(value: Node) -> bool:

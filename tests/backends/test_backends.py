@@ -27,33 +27,43 @@ def test_plain_sim_is_a_gpu_with_every_op():
 
 
 def test_spec_keys():
-    spec = parse_sim_spec("sim:x:ops=all,-soft_max_ext:types=f32,f16:offload=off:tflops=10:bw=500:link=16:"
-                          "latency=5:host=yes:events=no:async=no:align=64:mem=1.5GB")
+    spec = parse_sim_spec(
+        "sim:x:ops=all,-soft_max_ext:types=f32,f16:offload=off:tflops=10:bw=500:link=16:"
+        "latency=5:host=yes:events=no:async=no:align=64:mem=1.5GB"
+    )
     assert spec.ops is not None and "soft_max_ext" not in spec.ops and "mul_mat" in spec.ops
     assert spec.types == {"f32", "f16"} and spec.offload_batch is None and spec.host
-    assert (spec.cost.tflops, spec.cost.mem_gbps, spec.cost.link_gbps, spec.cost.latency_us) == (10, 500, 16, 5)
+    assert (spec.cost.tflops, spec.cost.mem_gbps, spec.cost.link_gbps, spec.cost.latency_us) == (
+        10,
+        500,
+        16,
+        5,
+    )
     assert not spec.events and not spec.async_ and spec.align == 64 and spec.mem == 1_500_000_000
     assert parse_size("512MiB") == 512 << 20 and parse_size("1000") == 1000
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("sim", "missing device name"),
-    ("sim:", "missing device name"),
-    ("sim:cpu", "invalid device name"),
-    ("sim:g:mem", "is not KEY=VALUE"),
-    ("sim:g:speed=3", "is not KEY=VALUE with KEY one of ops"),
-    ("sim:g:ops=mul_mat,frobnicate", "unknown op 'frobnicate'"),
-    ("sim:g:types=f33", "f33"),
-    ("sim:g:mem=lots", "not a size"),
-    ("sim:g:offload=-1", "must be >= 0"),
-    ("sim:g:host=maybe", "expected yes or no"),
-    ("sim:g:align=48", "power of two"),
-    ("sim:g:tflops=0", "must be > 0"),
-    ("sim:g:mem=1GiB:mem=2GiB", "mem given twice"),
-    ("gpu7", "unknown backend 'gpu7'"),
-    ("cpu:fast", "the CPU takes no options"),
-    ("cuda:0:x", "unknown device kind"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("sim", "missing device name"),
+        ("sim:", "missing device name"),
+        ("sim:cpu", "invalid device name"),
+        ("sim:g:mem", "is not KEY=VALUE"),
+        ("sim:g:speed=3", "is not KEY=VALUE with KEY one of ops"),
+        ("sim:g:ops=mul_mat,frobnicate", "unknown op 'frobnicate'"),
+        ("sim:g:types=f33", "f33"),
+        ("sim:g:mem=lots", "not a size"),
+        ("sim:g:offload=-1", "must be >= 0"),
+        ("sim:g:host=maybe", "expected yes or no"),
+        ("sim:g:align=48", "power of two"),
+        ("sim:g:tflops=0", "must be > 0"),
+        ("sim:g:mem=1GiB:mem=2GiB", "mem given twice"),
+        ("gpu7", "unknown backend 'gpu7'"),
+        ("cpu:fast", "the CPU takes no options"),
+        ("cuda:0:x", "unknown device kind"),
+    ],
+)
 def test_bad_specs_get_clear_errors(bad, message):
     with pytest.raises(SpecError, match=message) as info:
         backend_from_spec(bad)
@@ -71,7 +81,7 @@ def test_sim_support_by_op_and_dtype():
     q8_mm = _node(lambda b: b.mul_mat(b.weight("w", [4, 32], Q8_0), b.input("x", [2, 32], F32)))
     rows = _node(lambda b: b.get_rows(b.weight("w", [4, 8], F16), b.input("i", [2], I32)))
     add = _node(lambda b: b.add(b.input("x", [2, 8], F32), b.input("y", [2, 8], F32)))
-    assert gpu.supports_op(f16_mm) and gpu.supports_op(rows)   # i32 indices always pass
+    assert gpu.supports_op(f16_mm) and gpu.supports_op(rows)  # i32 indices always pass
     assert not gpu.supports_op(q8_mm) and not gpu.supports_op(add)
     picky = SimBackend(SimSpec("p"), predicate=lambda n: n.op.name != "add")
     assert picky.supports_op(f16_mm) and not picky.supports_op(add)
@@ -137,4 +147,4 @@ def test_null_backend_runs_nothing_but_the_scheduler_walks_its_paths():
     assert [scheduled.plan.labels[s.backend] for s in scheduled.plan.splits] == ["n0"]
     out = sched.graph_compute(scheduled, {"x": np.ones((2, 3), np.float32), "w": np.ones((2, 3), np.float32)})
     assert null.stats.n_graph_computes == 1 and null.stats.bytes_in == 24
-    assert not np.any(out["y"] == 2)   # x + w was never computed: y holds what its memory held
+    assert not np.any(out["y"] == 2)  # x + w was never computed: y holds what its memory held

@@ -15,7 +15,9 @@ N_CTX = 64
 def tiny_llama(tmp_path_factory):
     """2 layers, tied output (like SmolLM2): token_embd doubles as the output matrix."""
     path = tmp_path_factory.mktemp("sched") / "tiny_tied.gguf"
-    spec = SynthSpec(arch="llama", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=300, tied=True)
+    spec = SynthSpec(
+        arch="llama", n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=300, tied=True
+    )
     return llamir.load_model(write_model(path, spec))
 
 
@@ -23,7 +25,9 @@ def tiny_llama(tmp_path_factory):
 def tiny_llama_q8(tmp_path_factory):
     """2 layers, q8_0 matrices and an untied output."""
     path = tmp_path_factory.mktemp("sched") / "tiny_q8.gguf"
-    spec = SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_vocab=320, dtype="q8_0")
+    spec = SynthSpec(
+        arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=96, n_vocab=320, dtype="q8_0"
+    )
     return llamir.load_model(write_model(path, spec))
 
 

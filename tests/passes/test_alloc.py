@@ -12,7 +12,7 @@ from llamir.passes.sched_alloc import AllocCheckError, AllocGraph, check_allocat
 def test_alignment_and_tail_growth():
     a = DynAllocator(alignment=32)
     assert a.alloc(10) == Address(0, 0)
-    assert a.alloc(33) == Address(0, 32)       # 10 -> 32 bytes; 33 -> 64
+    assert a.alloc(33) == Address(0, 32)  # 10 -> 32 bytes; 33 -> 64
     assert a.chunk_sizes() == [96]
 
 
@@ -22,12 +22,12 @@ def test_best_fit_prefers_the_smallest_inner_block_and_later_on_ties():
     a.alloc(5)  # keeps the tail away from w
     a.free(x, 100)
     a.free(z, 50)
-    assert a.alloc(40) == Address(0, z.offset)   # 50 fits better than 100
+    assert a.alloc(40) == Address(0, z.offset)  # 50 fits better than 100
     b = DynAllocator(alignment=1)
     p, _, q, _ = (b.alloc(n) for n in (10, 5, 10, 5))
     b.free(p, 10)
     b.free(q, 10)
-    assert b.alloc(10) == Address(0, q.offset)   # two equal blocks: ggml's `<=` takes the later
+    assert b.alloc(10) == Address(0, q.offset)  # two equal blocks: ggml's `<=` takes the later
 
 
 def test_free_merges_neighbours():
@@ -43,7 +43,7 @@ def test_max_chunk_size_opens_new_chunks():
     a = DynAllocator(alignment=1, max_chunk_size=100)
     assert a.alloc(80) == Address(0, 0)
     assert a.alloc(80) == Address(1, 0)
-    assert a.alloc(150) == Address(2, 0)         # a tensor larger than a chunk gets its own
+    assert a.alloc(150) == Address(2, 0)  # a tensor larger than a chunk gets its own
     assert a.chunk_sizes() == [80, 80, 150]
 
 

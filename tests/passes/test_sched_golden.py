@@ -21,12 +21,12 @@ def small_graph(rows: int):
     x = b.input("x", [rows, 8], F32)
     w_up, w_down = b.weight("w_up", [16, 8], F32), b.weight("w_down", [8, 16], F32)
     norm_w = b.weight("norm_w", [8], F32)
-    h = b.mul(b.rms_norm(x, 1e-5, name="norm"), norm_w, name="normed")       # [rows, 8]
-    up = b.mul_mat(w_up, h, name="up")                                      # [rows, 16]
+    h = b.mul(b.rms_norm(x, 1e-5, name="norm"), norm_w, name="normed")  # [rows, 8]
+    up = b.mul_mat(w_up, h, name="up")  # [rows, 16]
     act = b.op(ops.Silu(), up, name="act")
-    t = b.transpose(act)                                                    # [16, rows] view
-    back = b.cont(b.transpose(t), name="back")                              # [rows, 16]
-    down = b.mul_mat(w_down, back, name="down")                             # [rows, 8]
+    t = b.transpose(act)  # [16, rows] view
+    back = b.cont(b.transpose(t), name="back")  # [rows, 16]
+    down = b.mul_mat(w_down, back, name="down")  # [rows, 8]
     b.output("out", b.add(down, x, name="residual"))
     return b.graph
 

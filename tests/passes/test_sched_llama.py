@@ -43,9 +43,16 @@ def test_full_offload_gives_two_splits_with_embedding_lookup_on_cpu(tiny_llama):
     assert plan.causes[id(first[0])].code == "1.wgt"
 
 
-@pytest.mark.parametrize("ngl, layers, output", [
-    (0, ["cpu", "cpu"], "cpu"), (1, ["cpu", "cpu"], "gpu0"), (2, ["cpu", "gpu0"], "gpu0"),
-    (3, ["gpu0", "gpu0"], "gpu0"), (99, ["gpu0", "gpu0"], "gpu0")])
+@pytest.mark.parametrize(
+    "ngl, layers, output",
+    [
+        (0, ["cpu", "cpu"], "cpu"),
+        (1, ["cpu", "cpu"], "gpu0"),
+        (2, ["cpu", "gpu0"], "gpu0"),
+        (3, ["gpu0", "gpu0"], "gpu0"),
+        (99, ["gpu0", "gpu0"], "gpu0"),
+    ],
+)
 def test_n_gpu_layers_counts_the_output_layer(tiny_llama, ngl, layers, output):
     placement, _ = setup(tiny_llama, n_gpu_layers=ngl)
     assert placement.layer_device == layers and placement.output_device == output
@@ -106,7 +113,7 @@ def test_two_devices_split_layers_by_tensor_split(tiny_llama):
 
 def test_small_batches_pin_the_norm_to_its_layer_device(tiny_llama):
     plan = plan_of(tiny_llama, specs=("sim:gpu0", "sim:gpu1"), tensor_split=(1.0, 2.0))
-    norm = plan.find("attn_norm-1").inputs[0]   # the rms_norm llama.cpp names "norm-1"
+    norm = plan.find("attn_norm-1").inputs[0]  # the rms_norm llama.cpp names "norm-1"
     assert plan.causes[id(norm)].code == "usr" and plan.backend_of(norm).label == "gpu1"
 
 
@@ -123,15 +130,18 @@ def test_pipeline_copies_rotate_between_batches(tiny_llama):
     assert sched.alloc_graph(bound).plan.cur_copy == 0
 
 
-@pytest.mark.parametrize("specs, kwargs", [
-    (("sim:gpu0",), {}),
-    (("sim:gpu0",), {"n_gpu_layers": 2}),
-    (("sim:gpu0", "sim:gpu1"), {"tensor_split": (1.0, 1.0)}),
-    (("sim:gpu0:ops=all,-swiglu,-soft_max_ext",), {}),
-    (("sim:gpu0",), {"overrides": ((r"blk\.0\.ffn_.*", "cpu"),)}),
-    (("sim:acc:host=yes:ops=mul_mat",), {}),
-    (("null:nul",), {"n_gpu_layers": 0}),
-])
+@pytest.mark.parametrize(
+    "specs, kwargs",
+    [
+        (("sim:gpu0",), {}),
+        (("sim:gpu0",), {"n_gpu_layers": 2}),
+        (("sim:gpu0", "sim:gpu1"), {"tensor_split": (1.0, 1.0)}),
+        (("sim:gpu0:ops=all,-swiglu,-soft_max_ext",), {}),
+        (("sim:gpu0",), {"overrides": ((r"blk\.0\.ffn_.*", "cpu"),)}),
+        (("sim:acc:host=yes:ops=mul_mat",), {}),
+        (("null:nul",), {"n_gpu_layers": 0}),
+    ],
+)
 @pytest.mark.parametrize("n_tokens", [1, 40])
 def test_scheduled_execution_equals_numpy(tiny_llama_q8, specs, kwargs, n_tokens):
     placement, bound = setup(tiny_llama_q8, specs, n_tokens, n_out=n_tokens, **kwargs)
@@ -139,7 +149,9 @@ def test_scheduled_execution_equals_numpy(tiny_llama_q8, specs, kwargs, n_tokens
     values.update(placement.weight_values(tiny_llama_q8, bound))
     sched = Scheduler(placement.backends, placement.buffers())
     scheduled = sched.alloc_graph(bound, placement.pins(bound, n_tokens))
-    assert check_allocation(scheduled.alloc_graph, scheduled.allocation, sched.compute_buffers.galloc.allocs) > 0
+    assert (
+        check_allocation(scheduled.alloc_graph, scheduled.allocation, sched.compute_buffers.galloc.allocs) > 0
+    )
     mine = {k: v.copy() for k, v in values.items()}
     got = sched.graph_compute(scheduled, mine)
     theirs = {k: v.copy() for k, v in values.items()}
@@ -188,7 +200,9 @@ def test_not_enough_device_memory_is_a_clear_error(tiny_llama):
 
 
 def test_override_to_a_device_that_cannot_run_the_op_is_an_error(tiny_llama):
-    with pytest.raises(PlacementError, match=r"blk.0.ffn_up.weight is overridden to gpu0 .* cannot run mul_mat"):
+    with pytest.raises(
+        PlacementError, match=r"blk.0.ffn_up.weight is overridden to gpu0 .* cannot run mul_mat"
+    ):
         setup(tiny_llama, specs=("sim:gpu0:ops=add,mul",), overrides=((r"ffn_up", "gpu0"),))
 
 
@@ -199,7 +213,9 @@ def test_layer_weight_falls_back_to_cpu_when_its_device_lacks_the_op(tiny_llama)
 
 
 def test_kv_cache_on_a_device_without_set_rows_is_a_scheduler_error(tiny_llama):
-    with pytest.raises(SchedError, match=r"pre-allocated tensor cache_k_l0 in a gpu0 buffer cannot run set_rows"):
+    with pytest.raises(
+        SchedError, match=r"pre-allocated tensor cache_k_l0 in a gpu0 buffer cannot run set_rows"
+    ):
         plan_of(tiny_llama, specs=("sim:gpu0:ops=all,-set_rows",))
 
 

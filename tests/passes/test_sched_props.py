@@ -57,7 +57,9 @@ def device_mixes(draw, weights):
     for i in range(n):
         chosen = draw(st.sets(st.sampled_from(OPS)))
         threshold = draw(st.sampled_from(["32", "1", "off"]))
-        devices.append(backend_from_spec(f"sim:gpu{i}:ops={','.join(sorted(chosen)) or 'cont'}:offload={threshold}"))
+        devices.append(
+            backend_from_spec(f"sim:gpu{i}:ops={','.join(sorted(chosen)) or 'cont'}:offload={threshold}")
+        )
     cpu = backend_from_spec("cpu")
     buffers = {}
     for name in weights:  # each weight on a device that runs mul_mat, or in host memory
@@ -80,7 +82,7 @@ def test_random_graphs_on_random_devices(data):
         assert plan.backend_of(node).supports_op(node), (node, plan.backend_of(node))
 
     assert plan.splits[0].i_start == 0 and plan.splits[-1].i_end == len(graph.nodes)
-    for a, b in zip(plan.splits, plan.splits[1:]):  # contiguous, in topological order
+    for a, b in zip(plan.splits, plan.splits[1:], strict=False):  # contiguous, in topological order
         assert a.i_end == b.i_start and a.i_start < a.i_end
     for split in plan.splits:
         for node in plan.split_nodes(split):
@@ -101,7 +103,7 @@ def test_random_graphs_on_random_devices(data):
         for node in plan.split_nodes(split):
             if node.op.is_view:
                 continue
-            for src, ref in zip(node.inputs, plan.inputs_of(node)):
+            for src, ref in zip(node.inputs, plan.inputs_of(node), strict=True):
                 crosses = not backend.supports_buft(memory_of(src))
                 assert isinstance(ref, InputCopy) == crosses, (node, src)
                 if crosses:
@@ -111,8 +113,10 @@ def test_random_graphs_on_random_devices(data):
 
     check_allocation(scheduled.alloc_graph, scheduled.allocation, sched.compute_buffers.galloc.allocs)
     rng = np.random.default_rng(0)
-    values = {leaf.name: rng.standard_normal([int(d) for d in leaf.type.shape]).astype(np.float32)
-              for leaf in graph.leafs}
+    values = {
+        leaf.name: rng.standard_normal([int(d) for d in leaf.type.shape]).astype(np.float32)
+        for leaf in graph.leafs
+    }
     got = sched.graph_compute(scheduled, values)
     want = Interpreter().run(graph, values)
     for name in want:

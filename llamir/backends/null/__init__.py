@@ -17,8 +17,14 @@ class NullBackend(Backend):
     name = "null"
 
     def __init__(self, device_name: str = "null", memory: int = NULL_MEMORY):
-        self.device = Device(device_name, DeviceType.GPU, memory, "claims every op, runs nothing",
-                             caps=DeviceCaps(async_=True, events=True), alignment=128)
+        self.device = Device(
+            device_name,
+            DeviceType.GPU,
+            memory,
+            "claims every op, runs nothing",
+            caps=DeviceCaps(async_=True, events=True),
+            alignment=128,
+        )
 
     def supports_op(self, node) -> bool:
         return True
@@ -29,6 +35,7 @@ class NullBackend(Backend):
     def compile(self, graph):
         def run(leaf_values, bindings, observe=None):
             return {}
+
         return run
 
     def graph_compute(self, run, memory, observe=None) -> bool:

@@ -26,9 +26,17 @@ class SimBackend(NumpyBackend):
     def __init__(self, spec: SimSpec | None = None, predicate: Callable[[Node], bool] | None = None):
         spec = spec if spec is not None else SimSpec()
         kind = DeviceType.ACCEL if spec.host else DeviceType.GPU
-        super().__init__(Device(spec.name, kind, spec.mem, spec.describe(),
-                                caps=DeviceCaps(async_=spec.async_, events=spec.events),
-                                alignment=spec.align, host_memory=spec.host))
+        super().__init__(
+            Device(
+                spec.name,
+                kind,
+                spec.mem,
+                spec.describe(),
+                caps=DeviceCaps(async_=spec.async_, events=spec.events),
+                alignment=spec.align,
+                host_memory=spec.host,
+            )
+        )
         self.spec = spec
         self.predicate = predicate
         self.cost_model = spec.cost

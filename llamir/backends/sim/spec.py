@@ -32,9 +32,31 @@ DEFAULT_MEM = 24 << 30
 DEFAULT_OFFLOAD_BATCH = 32
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-KEYS = ("ops", "types", "mem", "offload", "tflops", "bw", "link", "latency", "host", "events", "async", "align")
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+KEYS = (
+    "ops",
+    "types",
+    "mem",
+    "offload",
+    "tflops",
+    "bw",
+    "link",
+    "latency",
+    "host",
+    "events",
+    "async",
+    "align",
+)
 
 
 class SpecError(ValueError):
@@ -58,8 +80,12 @@ class SimSpec:
 
     def describe(self) -> str:
         ops = "all" if self.ops is None else ",".join(sorted(self.ops))
-        parts = [f"sim:{self.name}", f"ops={ops}", f"mem={format_size(self.mem)}",
-                 f"offload={self.offload_batch if self.offload_batch is not None else 'off'}"]
+        parts = [
+            f"sim:{self.name}",
+            f"ops={ops}",
+            f"mem={format_size(self.mem)}",
+            f"offload={self.offload_batch if self.offload_batch is not None else 'off'}",
+        ]
         if self.types is not None:
             parts.insert(2, "types=" + ",".join(sorted(self.types)))
         if self.host:
@@ -109,7 +135,9 @@ def parse_ops(text: str) -> frozenset[str] | None:
             continue
         name = item[1:] if item.startswith("-") else item
         if name not in OPS or name == "leaf":
-            raise ValueError(f"unknown op {name!r} (known: {', '.join(sorted(o for o in OPS if o != 'leaf'))})")
+            raise ValueError(
+                f"unknown op {name!r} (known: {', '.join(sorted(o for o in OPS if o != 'leaf'))})"
+            )
         if item.startswith("-"):
             chosen = (set(OPS) - {"leaf"} if chosen is None else chosen) - {name}
         elif chosen is not None:
@@ -139,7 +167,9 @@ def parse_sim_spec(text: str) -> SimSpec:
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in KEYS:
-            raise SpecError(f"device spec {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}")
+            raise SpecError(
+                f"device spec {text!r}: {part!r} is not KEY=VALUE with KEY one of {', '.join(KEYS)}"
+            )
         if key in seen:
             raise SpecError(f"device spec {text!r}: {key} given twice")
         seen.add(key)

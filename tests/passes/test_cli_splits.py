@@ -1,0 +1,96 @@
+"""`llamir splits`: text, JSON and SVG output on a tiny llama, --explain, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llamir.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_llama):
+    return str(tiny_llama.path)
+
+
+def run(capsys, *args):
+    code = main(["splits", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_text_plan_buffers_and_explain(capsys, model_path):
+    code, out, _ = run(
+        capsys,
+        model_path,
+        "--device",
+        "sim:gpu0:mem=1GiB",
+        "--n-ctx",
+        "64",
+        "--explain",
+        "result_output",
+        "--explain",
+        "inp_embd",
+    )
+    assert code == 0
+    assert (
+        "total: 2 splits" in out and "compute buffers (reserved for batches of 64, 31, 1 tokens): gpu0" in out
+    )
+    assert "explain: result_output (mul_mat) on gpu0: [1.wgt] weight output.weight is in gpu0 memory" in out
+    assert "explain: inp_embd (get_rows) on cpu: [1.wgt]" in out
+
+
+def test_json_has_plan_placement_and_buffers(capsys, model_path):
+    code, out, _ = run(
+        capsys,
+        model_path,
+        "--device",
+        "sim:gpu0",
+        "--n-gpu-layers",
+        "2",
+        "--n-ctx",
+        "64",
+        "--override-tensor",
+        r"blk\.1\.ffn_up=cpu",
+        "--format",
+        "json",
+    )
+    doc = json.loads(out)
+    assert code == 0 and doc["layers"] == ["cpu", "gpu0"] and doc["output_layer"] == "gpu0"
+    assert doc["weights"]["blk.1.ffn_up.weight"] == {
+        "device": "cpu",
+        "reason": r"override blk\.1\.ffn_up=cpu",
+    }
+    assert doc["plan"]["totals"]["n_splits"] == len(doc["plan"]["splits"]) == 4
+    assert set(doc["compute_buffers"]) == {"gpu0", "cpu"}
+
+
+def test_svg_colours_backends_and_marks_copies(capsys, model_path, tmp_path):
+    out_file = tmp_path / "plan.svg"
+    code, _, _ = run(
+        capsys, model_path, "--device", "sim:gpu0", "--n-ctx", "64", "--format", "svg", "--out", str(out_file)
+    )
+    svg = out_file.read_text()
+    assert code == 0 and svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert 'stroke-dasharray="4,2" marker-end="url(#copy)"' in svg and ">gpu0</text>" in svg
+    import xml.etree.ElementTree as ET
+
+    ET.fromstring(svg)  # well-formed
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "sim:gpu0:ops=nope"], "unknown op 'nope'"),
+        (["--device", "warp9"], "unknown backend 'warp9'"),
+        (["--device", "sim:gpu0:mem=16KiB"], "not enough memory on gpu0"),
+        (["--override-tensor", "ffn=gpu3"], "no device named 'gpu3'"),
+        (["--override-tensor", "ffn"], "expected REGEX=DEVICE"),
+        (["--device", "sim:gpu0:ops=all,-set_rows"], "cannot run set_rows"),
+        (["--explain", "no_such_node"], "no value named 'no_such_node'"),
+    ],
+)
+def test_bad_input_is_one_clear_line(capsys, model_path, args, message):
+    code, _, err = run(capsys, model_path, "--n-ctx", "64", *args)
+    assert code == 1 and message in err and err.count("\n") == 1
