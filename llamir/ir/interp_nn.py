@@ -22,12 +22,14 @@ def _cached(ctx, a: np.ndarray, dtype: DType, what: str, make):
     return hit
 
 
-def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool) -> np.ndarray:
-    """b [N, K] f32 @ a[M, K].T -> [N, M] f32, with b rounded to a's vec_dot_type (ggml CPU)."""
+def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool,
+              sgemm: bool = False) -> np.ndarray:
+    """b [N, K] f32 @ a[M, K].T -> [N, M] f32, with b rounded to a's vec_dot_type (ggml CPU).
+    `sgemm`: ggml would offer this float matmul to llamafile's tinyBLAS (see _mul_mat)."""
     from llamir.ir import quants, quants_x86
 
     if a_dtype in (F32, F16):
-        return quants_x86.mul_mat_float(a, b)
+        return quants_x86.mul_mat_float(a, b, sgemm)
     if a_dtype == BF16:
         a32 = _cached(ctx, a, a_dtype, "f32", lambda: to_f32(a, a_dtype)) if cacheable else to_f32(a, a_dtype)
         return to_f32(from_f32(b, BF16), BF16) @ a32.T
@@ -57,9 +59,12 @@ def _mul_mat(ctx, node, args, bindings):
     b32 = b32.reshape((1,) * (rank - b32.ndim) + b32.shape)
     a_batch, b_batch = a.shape[:-2], b32.shape[:-2]
     m = node.type.evaluate(bindings)[-1]
+    # ggml_compute_forward_mul_mat hands llamafile a contiguous src1, or src1 once converted to
+    # the vec_dot_type; a non-contiguous src1 already of that type goes to vec_dot
+    sgemm = b.flags.c_contiguous or _in(node, 1) != a_dtype
     out = np.empty(b_batch + (b32.shape[-2], m), dtype=f32)
     for idx in np.ndindex(*b_batch):
-        out[idx] = matmul_2d(ctx, a[_batch_index(idx, a_batch, b_batch)], a_dtype, b32[idx], cacheable)
+        out[idx] = matmul_2d(ctx, a[_batch_index(idx, a_batch, b_batch)], a_dtype, b32[idx], cacheable, sgemm)
     return out.reshape(node.type.evaluate(bindings))
 
 

@@ -177,14 +177,14 @@ def _float_block(a: np.ndarray, b: np.ndarray, tinyblas: bool) -> np.ndarray:
     return total.astype(f32)
 
 
-def mul_mat_float(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def mul_mat_float(a: np.ndarray, b: np.ndarray, sgemm: bool = True) -> np.ndarray:
     """b [N, K] f32 @ a.T for a [M, K] float16 or float32, as ggml's AVX-512 CPU backend sums:
     b is rounded to a's type (the vec_dot_type), then llamafile's tinyBLAS takes the matmul when
-    it can (N >= 2, K % 16 == 0, M % 4 == 0), ggml_vec_dot_f16/f32 otherwise."""
+    offered (`sgemm`) and able (N >= 2, K % 16 == 0, M % 4 == 0), ggml_vec_dot_f16/f32 otherwise."""
     n, k = b.shape
     m = a.shape[0]
     b = b.astype(a.dtype)
-    tinyblas = n >= 2 and k % 16 == 0 and m % 4 == 0
+    tinyblas = sgemm and n >= 2 and k % 16 == 0 and m % 4 == 0
     out = np.empty((n, m), dtype=f32)
     rows = max(1, _ROW_CHUNK // max(1, m * 64))
     cols = m if rows > 1 else max(1, _ROW_CHUNK // 64)

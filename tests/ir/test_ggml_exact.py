@@ -215,6 +215,17 @@ def test_mul_mat_broadcast_heads(ggml, rng):
     assert_same_bits(got, theirs(ggml, lambda g, k, q: g.op("ggml_mul_mat", k, q), k, q))
 
 
+@pytest.mark.parametrize("weight_dtype", [f16, f32], ids=["f16", "f32"])
+def test_mul_mat_permuted_activations(ggml, rng, weight_dtype):
+    """k.q with q permuted to heads-first: an f32 cache takes it as is, to vec_dot; an f16 cache
+    gets q converted (hence packed) and so reaches tinyBLAS."""
+    k = rng.normal(0, 1, (4, 256, 64)).astype(weight_dtype)        # [H, n_kv, d]
+    q = rng.normal(0, 1, (5, 4, 64)).astype(f32)                    # [T, H, d]
+    got = ours(lambda g, k, q: g.mul_mat(k, g.permute(q, 1, 0, 2)), k=k, q=q)
+    want = theirs(ggml, lambda g, k, q: g.op("ggml_mul_mat", k, g.op("ggml_permute", q, 0, 2, 1, 3)), k, q)
+    assert_same_bits(got, want)
+
+
 # -- plain element-wise and copies ----------------------------------------------------------------
 def test_elementwise_and_copies(ggml, rng):
     x = rng.normal(0, 5, (6, 128)).astype(f32)
