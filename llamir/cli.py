@@ -61,8 +61,11 @@ def _decode(ctx, batch) -> None:
 
 
 # -- run / chat ---------------------------------------------------------------------------------
-def _generate(ctx, model, prompt_tokens: list[int], n_predict: int, sampler, out) -> list[int]:
-    """Decode the prompt, then sample up to n_predict tokens, streaming the text to `out`."""
+def _generate(ctx, model, prompt_tokens: list[int], n_predict: int, sampler, out, ctx_shift: bool = False,
+              n_keep: int = 0) -> list[int]:
+    """Decode the prompt, then sample up to n_predict tokens, streaming the text to `out`.
+    With ctx_shift, a full context drops half of what follows the first n_keep tokens and shifts
+    the rest back (llama-cli's context shift) instead of stopping."""
     from llamir.context import Batch
 
     vocab = model.vocab
@@ -82,12 +85,52 @@ def _generate(ctx, model, prompt_tokens: list[int], n_predict: int, sampler, out
         text, pending = _complete_utf8(pending)
         out.write(text)
         out.flush()
-        if ctx.memory.seq_pos_max(0) + 1 >= ctx.n_ctx:
-            log.warning("context is full (n_ctx = %d); stopping", ctx.n_ctx)
-            break
+        n_past = ctx.memory.seq_pos_max(0) + 1
+        if n_past >= ctx.n_ctx:
+            if not ctx_shift:
+                log.warning("context is full (n_ctx = %d); stopping (use --ctx-shift to go on)", ctx.n_ctx)
+                break
+            n_discard = (n_past - n_keep) // 2
+            ctx.memory.seq_rm(0, n_keep, n_keep + n_discard)
+            ctx.memory.seq_add(0, n_keep + n_discard, n_past, -n_discard)
+            log.info("context shift: discarded %d tokens", n_discard)
         _decode(ctx, Batch.from_tokens([token], pos0=None))
     out.write(pending.decode("utf-8", errors="replace"))
     return generated
+
+
+def _generate_parallel(ctx, model, prompt_tokens: list[int], n_predict: int, n_parallel: int, args) -> list[list[int]]:
+    """llama.cpp's `parallel` example in small: the prompt is decoded once, shared with every
+    sequence by seq_cp, then each step decodes one token per live sequence in a single batch."""
+    from llamir.context import Batch
+    from llamir.context.sampling import Sampler, SamplerParams
+
+    _decode(ctx, Batch.from_tokens(prompt_tokens, pos0=0, logits="last"))
+    for s in range(1, n_parallel):
+        ctx.memory.seq_cp(0, s, -1, -1)
+    seed = args.seed
+    samplers = [Sampler(SamplerParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p,
+                                      seed=None if seed is None else seed + s)) for s in range(n_parallel)]
+    outputs: list[list[int]] = [[] for _ in range(n_parallel)]
+    rows = {s: -1 for s in range(n_parallel)}  # batch index of each sequence's last token
+    live = list(range(n_parallel))
+    pos = len(prompt_tokens)
+    for _ in range(n_predict):
+        batch_tokens = []
+        for s in list(live):
+            token = samplers[s].sample(ctx.get_logits_ith(rows[s]))
+            if model.vocab.is_eog(token):
+                live.remove(s)
+                continue
+            outputs[s].append(token)
+            batch_tokens.append((s, token))
+        if not batch_tokens or pos >= ctx.n_ctx:
+            break
+        _decode(ctx, Batch(tokens=[t for _, t in batch_tokens], pos=[pos] * len(batch_tokens),
+                           seq_ids=[(s,) for s, _ in batch_tokens], logits=[True] * len(batch_tokens)))
+        rows = {s: i for i, (s, _) in enumerate(batch_tokens)}
+        pos += 1
+    return outputs
 
 
 def _complete_utf8(data: bytes) -> tuple[str, bytes]:
@@ -108,11 +151,45 @@ def _sampler(args):
 
 def cmd_run(args) -> int:
     model = _load(args.model)
-    ctx = _context(model, args)
+    n_parallel = max(1, args.n_parallel)
+    ctx = _context(model, args, n_seq_max=n_parallel, kv_unified=n_parallel > 1, no_perf=not args.perf)
     tokens = model.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
-    sys.stdout.write(args.prompt)
-    _generate(ctx, model, tokens, args.n_predict, _sampler(args), sys.stdout)
-    sys.stdout.write("\n")
+    if n_parallel == 1:
+        sys.stdout.write(args.prompt)
+        _generate(ctx, model, tokens, args.n_predict, _sampler(args), sys.stdout, ctx_shift=args.ctx_shift)
+        sys.stdout.write("\n")
+    else:
+        for s, out in enumerate(_generate_parallel(ctx, model, tokens, args.n_predict, n_parallel, args)):
+            print(f"[sequence {s}] {args.prompt}{model.vocab.detokenize(out)}")
+    if args.perf:
+        ctx.perf_print()
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from llamir.context.perplexity import perplexity
+
+    model = _load(args.model)
+    try:
+        text = open(args.file, encoding="utf-8").read()
+    except OSError as err:
+        raise CliError(f"cannot read {args.file}: {err.strerror or err}") from None
+    tokens = model.vocab.tokenize(text, add_special=True, parse_special=False)
+    bos = model.vocab.bos if model.vocab.add_bos else None
+
+    def make(n_ctx_total: int, n_batch: int, n_seq: int):
+        return _context(model, args, n_ctx=n_ctx_total, n_batch=n_batch, n_ubatch=min(args.n_ubatch, n_batch),
+                        n_seq_max=n_seq)
+
+    def progress(chunk: int, ppl: float) -> None:
+        sys.stdout.write(f"[{chunk}]{ppl:.4f},")
+        sys.stdout.flush()
+
+    try:
+        result = perplexity(make, tokens, bos, args.ctx_size, args.n_batch, args.chunks, progress)
+    except (ValueError, RuntimeError) as err:
+        raise CliError(str(err)) from None
+    print(f"\nFinal estimate: PPL = {result.ppl:.4f} +/- {result.stderr:.5f}")
     return 0
 
 
@@ -249,6 +326,14 @@ def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
     p.add_argument("--threads", type=int, default=0, help="threads (default: all cores)")
 
 
+def _add_generation(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-parallel", type=int, default=1, dest="n_parallel",
+                   help="decode N sequences together from the same prompt (llama.cpp's parallel example)")
+    p.add_argument("--ctx-shift", action="store_true", dest="ctx_shift",
+                   help="when the context is full, drop half of it and shift the rest instead of stopping")
+    p.add_argument("--perf", action="store_true", help="print llama.cpp-style timings at the end")
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=40, dest="top_k")
@@ -266,8 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("-p", "--prompt", required=True)
     _add_sampling(p)
+    _add_generation(p)
     _add_runtime(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("perplexity", help="perplexity of a text file, computed as llama-perplexity does")
+    p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("-f", "--file", required=True, help="the text file")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, dest="ctx_size", help="tokens per chunk")
+    p.add_argument("--chunks", type=int, default=-1, help="score at most this many chunks")
+    _add_runtime(p)
+    p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("chat", help="chat with the model's chat template (reads lines from stdin)")
     p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")

@@ -273,3 +273,46 @@ class LlamaCppOracle:
 
     def seq_pos_max(self, seq_id: int) -> int:
         return int(self._lib.llama_memory_seq_pos_max(self._mem, seq_id))
+
+
+class OracleContext:
+    """The slice of llamir.Context that llamir.context.perplexity drives, backed by llama.cpp, so
+    the same llama-perplexity loop can score llama.cpp's logits."""
+
+    def __init__(self, oracle: LlamaCppOracle):
+        self.oracle = oracle
+        self.memory = self
+        self.last_error = ""
+        self._n_outputs = 0
+
+    def clear(self, data: bool = True) -> None:
+        self.oracle.clear()
+
+    def decode(self, batch) -> int:
+        flags = [bool(f) for f in batch.logits]
+        self._n_outputs = sum(flags)
+        return self.oracle.decode_batch(batch.tokens.tolist(), batch.pos.tolist(), batch.seq_ids, flags)
+
+    def get_logits(self) -> np.ndarray:
+        ptr = self.oracle._lib.llama_get_logits(self.oracle._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_outputs, self.oracle.n_vocab)).copy()
+
+
+def llama_cpp_perplexity(model_path, tokens, bos, n_ctx: int, n_batch: int = 2048, n_ubatch: int = 512,
+                         n_chunks: int = -1, flash_attn: bool = True, n_threads: int = 2):
+    """llama-perplexity's number for `tokens`, with llama.cpp computing every logit."""
+    from llamir.context.perplexity import perplexity
+
+    oracles = []
+
+    def make(n_ctx_total: int, batch: int, n_seq: int):
+        o = LlamaCppOracle(model_path, n_ctx=n_ctx_total, n_batch=batch, n_ubatch=min(n_ubatch, batch),
+                           n_seq_max=n_seq, flash_attn=flash_attn, n_threads=n_threads)
+        oracles.append(o)
+        return OracleContext(o)
+
+    try:
+        return perplexity(make, tokens, bos, n_ctx, n_batch, n_chunks)
+    finally:
+        for o in oracles:
+            o.close()
