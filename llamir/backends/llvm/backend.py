@@ -1,0 +1,127 @@
+"""LLVMBackend: whole splits compiled to native code with llvmlite (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from llamir.backends.base import Backend, BackendError
+from llamir.backends.llvm.cache import CompileCache
+from llamir.backends.llvm.codegen import ARENA_SIZE, ENTRY, FrameLayout, ModuleBuilder
+from llamir.backends.llvm.compiler import optimize_and_emit
+from llamir.backends.llvm.executable import CompiledSplit
+from llamir.backends.llvm.lowering import Lowerer, supported
+from llamir.backends.llvm.runtime import ThreadPool, load_object
+from llamir.backends.llvm.target import Target, host_target
+from llamir.ir import Graph, Node, parse_graph, print_graph
+
+log = logging.getLogger("llamir")
+
+DEFAULT_PASSES = "cse,fuse,dce"
+
+
+@dataclass
+class CompileStats:
+    """What the last compile did, for reports: seconds per phase, cache outcome."""
+
+    plan_s: float = 0.0
+    codegen_s: float = 0.0
+    llvm_s: float = 0.0
+    link_s: float = 0.0
+    cache: str = ""
+    n_kernels: int = 0
+    n_steps: int = 0
+    n_stages: int = 0
+    history: list = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.plan_s + self.codegen_s + self.llvm_s + self.link_s
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class LLVMBackend(Backend):
+    """CPU backend: one native entry per split, run-time dims, ggml-style threads."""
+
+    name: ClassVar[str] = "llvm"
+    _shared_caches: ClassVar[dict] = {}
+
+    def __init__(self, n_threads: int | None = None, target: Target | None = None, passes: str = DEFAULT_PASSES,
+                 cache_dir=None, disk_cache: bool = True):
+        self.target = target or host_target()
+        self.n_threads = n_threads or default_threads()
+        self.passes = passes
+        if disk_cache:
+            from pathlib import Path
+
+            from llamir.paths import cache_dir as default_dir
+            directory = Path(cache_dir) if cache_dir is not None else default_dir() / "llvm"
+        else:
+            directory = None
+        self.cache = LLVMBackend._shared_caches.setdefault(str(directory), CompileCache(directory))
+        self._pool: ThreadPool | None = None
+        self.compile_stats = CompileStats()
+
+    @property
+    def pool(self) -> ThreadPool:
+        if self._pool is None:
+            self._pool = ThreadPool(self.n_threads, self.target)
+        return self._pool
+
+    def supports_op(self, node: Node) -> bool:
+        return supported(node, self.target)
+
+    def compile(self, graph: Graph, observe_variant: bool = False) -> CompiledSplit:
+        unsupported = [n for n in graph.nodes if not n.op.is_view and not self.supports_op(n)]
+        if unsupported:
+            names = ", ".join(sorted({n.op.name for n in unsupported}))
+            raise BackendError(f"backend llvm cannot run: {names}")
+        stats = CompileStats(history=self.compile_stats.history)
+        t0 = time.perf_counter()
+        g = parse_graph(print_graph(graph))
+        passes = "" if observe_variant else self.passes
+        if passes:
+            from llamir.passes.pipeline import run_pipeline
+
+            run_pipeline(g, passes)
+        lowerer = Lowerer(g, self.target, self.n_threads)
+        if observe_variant:
+            lowerer.keep_values = True
+        plan = lowerer.run()
+        t1 = time.perf_counter()
+        builder = ModuleBuilder(plan, self.target, name=graph.name)
+        variant = ("observe|" if observe_variant else "") + passes
+        key = self.cache.key(graph.fingerprint(), self.target.key, variant)
+        obj = self.cache.get(key)
+        stats.cache = "hit" if obj is not None else "miss"
+        if obj is None:
+            module = builder.build()
+            t2 = time.perf_counter()
+            obj = optimize_and_emit(module, self.target)
+            t3 = time.perf_counter()
+            self.cache.put(key, obj)
+            stats.codegen_s, stats.llvm_s = t2 - t1, t3 - t2
+        else:
+            t3 = time.perf_counter()
+        tracker, addrs = load_object(self.target, obj, [ENTRY, ARENA_SIZE])
+        t4 = time.perf_counter()
+        stats.plan_s, stats.link_s = t1 - t0, t4 - t3
+        stats.n_kernels = len(builder.kernels) if stats.cache == "miss" else len({s.kernel.key() for s in plan.steps})
+        stats.n_steps, stats.n_stages = len(plan.steps), plan.n_stages
+        stats.history.append((graph.name, stats.cache, stats.total_s))
+        self.compile_stats = stats
+        log.info("llvm: compiled %s (%d steps, %d stages, cache %s) in %.2fs", graph.name, stats.n_steps,
+                 stats.n_stages, stats.cache, stats.total_s)
+        debug = None if observe_variant else (lambda: self.compile(graph, observe_variant=True))
+        return CompiledSplit(g, plan, FrameLayout.of(plan), addrs, tracker, self.pool, debug)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

@@ -1,0 +1,217 @@
+"""The Python side of a compiled split: bind leaf arrays, dims and output arrays into the frame,
+size the arena, run the native entry on the thread pool, raise what the kernels reported.
+
+Per call this is a few dozen Python operations: weights and KV buffers are checked once and then
+recognised by identity; only the per-batch inputs are validated each time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamir.backends.base import BackendError
+from llamir.backends.llvm.codegen import ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS, FrameLayout
+from llamir.backends.llvm.plan import Plan, Ref
+from llamir.backends.llvm.runtime import ThreadPool
+from llamir.ir import Graph, Node, dims
+from llamir.ir.interp import storage_dtype, storage_shape
+
+ERR_INDEX = 1   # a row/expert index outside its range: detail = the index
+ERROR_TEXT = {ERR_INDEX: "index {detail} is out of range"}
+
+
+@dataclass
+class _Leaf:
+    name: str
+    slot: int
+    kind: str
+    shape: tuple            # dims (ints or Syms), storage form
+    np_dtype: np.dtype
+    concrete: bool
+    last: np.ndarray | None = None
+
+
+@dataclass
+class _Output:
+    name: str
+    slot: int
+    shape: tuple
+    np_dtype: np.dtype
+    node: Node
+
+
+_ARENA_SIZE = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p)
+
+
+class CompiledSplit:
+    """One compiled graph: __call__(leaf_values, bindings, observe=None) -> outputs by name."""
+
+    def __init__(self, graph: Graph, plan: Plan, layout: FrameLayout, addrs: dict[str, int], tracker,
+                 pool: ThreadPool, debug: Callable[[], CompiledSplit] | None = None):
+        self.graph = graph
+        self.plan = plan
+        self.layout = layout
+        self.pool = pool
+        self._tracker = tracker           # keeps the code loaded
+        self._entry = addrs["llamir_split"]
+        self._arena_size = _ARENA_SIZE(addrs["llamir_arena_size"])
+        self._debug_factory = debug
+        self._debug: CompiledSplit | None = None
+        self.frame = np.zeros(layout.size, dtype=np.int64)
+        self.frame[N_THREADS] = pool.n_threads
+        self._frame_ptr = self.frame.ctypes.data
+        self.arena = np.zeros(0, dtype=np.uint8)
+        self._arena_cap = 0
+        self._dims = [(name, layout.dims[name]) for name in plan.dim_names]
+        self._leaves = []
+        for leaf in graph.leafs:
+            if leaf.name not in layout.leaves:
+                continue
+            shape = _storage_dims(leaf)
+            self._leaves.append(_Leaf(leaf.name, layout.leaves[leaf.name], leaf.kind, shape,
+                                      storage_dtype(leaf.dtype), all(isinstance(d, int) for d in shape)))
+        self._outputs = []
+        for name, node in graph.outputs.items():
+            self._outputs.append(_Output(name, layout.outputs[name], _storage_dims(node),
+                                         storage_dtype(node.dtype), node))
+
+    def __call__(self, leaf_values: Mapping[str, np.ndarray], bindings: Mapping[str, int],
+                 observe: Callable[[Node, np.ndarray], bool] | None = None) -> dict[str, np.ndarray]:
+        if observe is not None and self._debug_factory is not None:
+            if self._debug is None:
+                self._debug = self._debug_factory()
+            return self._debug.run_observed(leaf_values, bindings, observe)
+        with self.pool.lock:
+            keep = self._bind(leaf_values, bindings)
+            outputs = self._bind_outputs(bindings)
+            self._run()
+            del keep
+        return outputs
+
+    # -- binding ---------------------------------------------------------------------------------
+    def _bind(self, leaf_values, bindings) -> list:
+        frame = self.frame
+        for name, slot in self._dims:
+            try:
+                value = int(bindings[name])
+            except KeyError:
+                raise BackendError(f"dim {name!r} has no value (bound: {dict(bindings)})") from None
+            if value < 0:
+                raise BackendError(f"dim {name} = {value} is negative")
+            frame[slot] = value
+        keep = []
+        for spec in self._leaves:
+            try:
+                arr = leaf_values[spec.name]
+            except KeyError:
+                raise BackendError(f"no value for {spec.kind} {spec.name!r}") from None
+            if arr is spec.last:
+                continue
+            arr = self._check_leaf(spec, arr, bindings)
+            frame[spec.slot] = arr.__array_interface__["data"][0]
+            if spec.concrete and spec.kind != "input":
+                spec.last = arr
+            else:
+                keep.append(arr)
+        return keep
+
+    def _check_leaf(self, spec: _Leaf, arr, bindings) -> np.ndarray:
+        if not isinstance(arr, np.ndarray):
+            raise BackendError(f"{spec.kind} {spec.name!r}: expected a numpy array, got {type(arr).__name__}")
+        want = tuple(dims.evaluate(d, bindings) for d in spec.shape)
+        if arr.shape != want or arr.dtype != spec.np_dtype:
+            raise BackendError(f"{spec.kind} {spec.name!r}: expected storage {want} {spec.np_dtype}, "
+                               f"got {arr.shape} {arr.dtype}")
+        if not arr.flags.c_contiguous:
+            if spec.kind == "state":
+                raise BackendError(f"state {spec.name!r} must be C-contiguous (it is written in place)")
+            arr = np.ascontiguousarray(arr)
+        if spec.kind == "state" and not arr.flags.writeable:
+            raise BackendError(f"state {spec.name!r} is read-only but the graph writes it")
+        return arr
+
+    def _bind_outputs(self, bindings) -> dict[str, np.ndarray]:
+        outputs: dict[str, np.ndarray] = {}
+        by_node: dict[int, np.ndarray] = {}
+        for spec in self._outputs:
+            arr = by_node.get(id(spec.node))
+            if arr is None:
+                shape = tuple(dims.evaluate(d, bindings) for d in spec.shape)
+                arr = by_node[id(spec.node)] = np.empty(shape, dtype=spec.np_dtype)
+            self.frame[spec.slot] = arr.__array_interface__["data"][0] if arr.size else 0
+            outputs[spec.name] = arr
+        return outputs
+
+    def _run(self) -> None:
+        frame = self.frame
+        need = self._arena_size(self._frame_ptr)
+        if need > self._arena_cap:
+            self._arena_cap = max(need, self._arena_cap * 5 // 4)
+            self.arena = np.empty(self._arena_cap + 64, dtype=np.uint8)
+            base = self.arena.__array_interface__["data"][0]
+            frame[ARENA] = base + (-base % 64)
+        frame[ERR_CODE] = 0
+        self.pool.run(self._entry, self._frame_ptr)
+        if frame[ERR_CODE]:
+            code, detail, site = int(frame[ERR_CODE]), int(frame[ERR_DETAIL]), int(frame[ERR_SITE])
+            where = self.plan.sites[site] if 0 <= site < len(self.plan.sites) else "?"
+            raise BackendError(ERROR_TEXT.get(code, "error {detail}").format(detail=detail) + f" ({where})")
+
+    # -- observation -----------------------------------------------------------------------------
+    def run_observed(self, leaf_values, bindings, observe) -> dict[str, np.ndarray]:
+        """Run everything (this variant keeps every value), then show the named values in order."""
+        with self.pool.lock:
+            keep = self._bind(leaf_values, bindings)
+            outputs = self._bind_outputs(bindings)
+            self._run()
+            arrays = {}
+            for spec in self._leaves:
+                arrays[spec.name] = leaf_values[spec.name]
+            for spec in self._outputs:
+                arrays[spec.name] = outputs[spec.name]
+            for node in self.graph.nodes:
+                if not node.name:
+                    continue
+                value = self._value(node, arrays, bindings)
+                if value is not None and observe(node, value) is False:
+                    break
+            del keep
+        return outputs
+
+    def _value(self, node: Node, arrays, bindings) -> np.ndarray | None:
+        ref: Ref | None = self.plan.refs.get(id(node))
+        if ref is None:
+            return None
+        buf = ref.buf
+        if buf.kind == "temp":
+            base = int(self.frame[ARENA]) + _ev(buf.offset, bindings, self.pool.n_threads)
+            owner = self.arena
+        else:
+            owner = arrays[buf.name]
+            base = owner.__array_interface__["data"][0]
+        shape = storage_shape(tuple(_ev(d, bindings, 0) for d in ref.shape), ref.dtype)
+        strides = tuple(_ev(s, bindings, 0) for s in ref.strides[:-1]) + (storage_dtype(ref.dtype).itemsize,)
+        start = base + _ev(ref.offset, bindings, 0)
+        iface = {"data": (start, False), "shape": shape, "strides": strides,
+                 "typestr": storage_dtype(ref.dtype).str, "version": 3}
+        holder = type("_View", (), {"__array_interface__": iface, "keep": owner})()
+        return np.array(np.asarray(holder), copy=True)
+
+
+def _ev(e, bindings, n_threads: int) -> int:
+    from llamir.backends.llvm import expr as E
+
+    env = dict(bindings)
+    env[E.NTH] = n_threads
+    return E.evaluate(e, env)
+
+
+def _storage_dims(node: Node) -> tuple:
+    shape = node.type.shape
+    if node.dtype.is_quantized:
+        return tuple(shape[:-1]) + (node.dtype.row_bytes(shape[-1]),)
+    return tuple(shape)

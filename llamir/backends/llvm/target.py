@@ -1,0 +1,104 @@
+"""The host target: LLVM initialisation, the CPU and its features (AMX stripped), the vector
+width kernels are written for, and the target machine that emits their object code."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import llvmlite
+import llvmlite.binding as llvm
+
+# AMX tile instructions trap in sandboxed hosts that still advertise them; kernels never need them.
+_NEVER = ("amx",)
+
+
+@functools.cache
+def init_llvm() -> None:
+    """Initialise LLVM's native target once per process."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the generated code may use. `features` is LLVM's +/- list without AMX."""
+
+    triple: str
+    cpu: str
+    features: str
+
+    @property
+    def feature_set(self) -> frozenset[str]:
+        return frozenset(f[1:] for f in self.features.split(",") if f.startswith("+"))
+
+    def has(self, feature: str) -> bool:
+        return feature in self.feature_set
+
+    @property
+    def avx512(self) -> bool:
+        return self.has("avx512f") and self.has("avx512bw") and self.has("avx512vl") and self.has("avx512dq")
+
+    @property
+    def vnni(self) -> bool:
+        """Byte dot products (vpdpbusd) on 256-bit vectors: AVX512-VNNI+VL, or AVX-VNNI."""
+        return (self.has("avx512vnni") and self.has("avx512vl")) or self.has("avxvnni")
+
+    @property
+    def vnni512(self) -> bool:
+        return self.has("avx512vnni") and self.avx512
+
+    @property
+    def f16c(self) -> bool:
+        return self.has("f16c") or self.avx512
+
+    @property
+    def fma(self) -> bool:
+        return self.has("fma")
+
+    @property
+    def lanes(self) -> int:
+        """f32 lanes of the widest vector the kernels use."""
+        return 16 if self.avx512 else 8
+
+    @property
+    def key(self) -> str:
+        """Identifies the code this target gets: part of every compile-cache key."""
+        text = f"{self.triple}|{self.cpu}|{self.features}|llvmlite {llvmlite.__version__}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def machine(self) -> llvm.TargetMachine:
+        init_llvm()
+        target = llvm.Target.from_triple(self.triple)
+        return target.create_target_machine(cpu=self.cpu, features=self.features, opt=3, reloc="pic",
+                                            codemodel="jitdefault")
+
+    def describe(self) -> str:
+        isa = "avx512" if self.avx512 else ("avx2" if self.has("avx2") else "baseline")
+        extra = "+vnni" if self.vnni else ""
+        return f"{self.cpu} {isa}{extra}"
+
+
+def strip_features(features: dict[str, bool], drop: tuple[str, ...] = _NEVER) -> str:
+    """LLVM's feature string from a {name: enabled} map, with every `drop` prefix disabled."""
+    parts = []
+    for name in sorted(features):
+        enabled = features[name] and not name.startswith(drop)
+        parts.append(("+" if enabled else "-") + name)
+    return ",".join(parts)
+
+
+@functools.cache
+def host_target() -> Target:
+    """The machine this process runs on."""
+    init_llvm()
+    features = dict(llvm.get_host_cpu_features().items())
+    return Target(llvm.get_process_triple(), llvm.get_host_cpu_name(), strip_features(features))
+
+
+def restricted_target(base: Target, disable: tuple[str, ...]) -> Target:
+    """`base` with the features starting with any of `disable` turned off (e.g. ("avx512",) to
+    test the AVX2 code paths on an AVX-512 host)."""
+    features = {f[1:]: f.startswith("+") for f in base.features.split(",") if f}
+    return Target(base.triple, base.cpu if not disable else "x86-64-v3", strip_features(features, _NEVER + disable))
