@@ -5,11 +5,12 @@ sequence operations on `ctx.memory`, state and perf mirror llama.h."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from llamir.backends import Backend, BackendError, get_backend
+from llamir.backends.registry import backend_from_spec
 from llamir.context import state
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
 from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
@@ -19,9 +20,12 @@ from llamir.context.memory_update import MemoryUpdater
 from llamir.context.outputs import Outputs
 from llamir.context.params import ContextParams, ContextParamsError, CParams, resolve
 from llamir.context.perf import Perf
+from llamir.context.runner import Runner
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.model import Model
+from llamir.frontend.placement import PlacementError, PlacementParams
 from llamir.ir import IRError
+from llamir.passes.sched import SchedError
 
 log = logging.getLogger("llamir")
 
@@ -43,15 +47,21 @@ class Context:
     """
 
     def __init__(self, model: Model, params: ContextParams | None = None, *, backend: str | Backend = "numpy",
-                 **kwargs):
+                 devices: Sequence[str | Backend] = (), placement: PlacementParams | None = None, **kwargs):
+        """`backend` runs on the CPU; `devices` (specs like "sim:gpu0:mem=2GiB" or backends) come
+        first in the scheduler's priority order, with the model placed on them by `placement`
+        (n_gpu_layers, split_mode, main_gpu, tensor_split, overrides) as llama.cpp places it."""
         if params is not None and kwargs:
             raise TypeError("pass either a ContextParams or keyword parameters, not both")
         self.model = model
         self.params = params if params is not None else ContextParams(**kwargs)
         self.cparams: CParams = resolve(self.params, model.hparams)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        device_backends = [backend_from_spec(d) if isinstance(d, str) else d for d in devices]
+        self.runner = Runner(model, [*device_backends, self.backend], placement or PlacementParams(),
+                             self.cparams.op_offload)
         if self.cparams.auto_fa:
-            self.cparams = self.cparams.with_flash_attn(self._backend_runs_flash_attn())
+            self.cparams = self.cparams.with_flash_attn(self._flash_attn_works())
             if not self.cparams.flash_attn and self.cparams.type_v.is_quantized:
                 raise ContextParamsError("quantized V cache was requested, but this requires Flash Attention")
         hp = model.hparams
@@ -64,9 +74,9 @@ class Context:
         self.cb_eval: Callable[[str, np.ndarray | None, bool], bool] | None = None
         self.perf_counters = Perf(enabled=not self.cparams.no_perf, t_load_ms=getattr(model, "t_load_ms", 0.0))
         self._prev: GraphResult | None = None
-        self._compiled: dict[GraphConfig, tuple] = {}
-        self._weights: dict[str, np.ndarray] = {}
         self._updater = MemoryUpdater(model, self.backend, self.cparams.rope)
+        if not self.runner.single:
+            self.reserve()
 
     # -- construction -----------------------------------------------------------------------------
     def _create_memory(self):
@@ -78,17 +88,25 @@ class Context:
             return KVCacheISWA(hp, cp.n_ctx_seq, swa_full=cp.swa_full, n_ubatch=cp.n_ubatch, **common)
         return KVCache(hp, cp.n_ctx_seq, **common)
 
-    def _backend_runs_flash_attn(self) -> bool:
-        """flash_attn=auto: build the graph with flash attention and keep it only if the backend
-        supports every __fattn__ node (llama.cpp checks where the scheduler put them)."""
+    def _flash_attn_works(self) -> bool:
+        """flash_attn=auto: on the CPU alone, whether the backend runs the __fattn__ nodes; with
+        devices, whether each layer's attention is scheduled on that layer's device (llama.cpp
+        checks where the scheduler put them, for a 1-token batch over the full cache)."""
         from llamir.frontend.graph_kv import KVLayout
         from llamir.ir import ops
 
-        probe_kv = KVLayout(kv_size=256, type_k=self.cparams.type_k, type_v=self.cparams.type_v, v_trans=False)
-        config = GraphConfig(kv=probe_kv, rope=self.cparams.rope, flash_attn=True,
-                             causal_attn=self.cparams.causal_attn)
-        graph = self.model.build_graph(config)
-        return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
+        cp = self.cparams
+        probe = KVLayout(kv_size=cp.n_ctx_seq, type_k=cp.type_k, type_v=cp.type_v, v_trans=False,
+                         n_stream=1 if cp.kv_unified else cp.n_seq_max,
+                         layers=tuple(range(self.model.hparams.n_layer)))
+        config = GraphConfig(kv=probe, rope=cp.rope, flash_attn=True, causal_attn=cp.causal_attn)
+        if self.runner.single:
+            graph = self.model.build_graph(config)
+            return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
+        cg = self.runner.compiled(config)
+        ok = self.runner.flash_attn_placed_well(cg, self._worst_bindings(cg, 1, 1))
+        del self.runner.graphs[config]
+        return ok
 
     def graph_config(self, has_tokens: bool, encoder: bool = False) -> GraphConfig:
         cp = self.cparams
@@ -99,17 +117,45 @@ class Context:
                            pooling=cp.pooling_type if cp.embeddings else "none")
 
     def compiled_graph(self, config: GraphConfig):
-        """The symbolic graph for `config` and its executable, built once and kept."""
-        if config not in self._compiled:
-            graph = self.model.build_graph(config)
-            unsupported = self.backend.unsupported(graph)
-            if unsupported:
-                names = ", ".join(sorted({n.op.name for n in unsupported}))
-                raise BackendError(f"backend {self.backend.name} cannot run: {names}")
-            self._compiled[config] = (graph, self.backend.compile(graph))
-            for leaf in graph.leafs_of_kind("weight"):
-                self._weights.setdefault(leaf.name, self.model.weight_array(leaf.name))
-        return self._compiled[config]
+        """The symbolic graph for `config`, placed and (CPU only) compiled, built once and kept."""
+        return self.runner.compiled(config)
+
+    def _worst_bindings(self, cg, n_tokens: int, n_seqs: int) -> dict[str, int]:
+        """Bindings of the reserve graphs: n_tokens over n_seqs sequences, the whole cache."""
+        names = cg.graph.dim_names
+        b = {"n_out": n_tokens, "T": n_tokens, "n_seqs": n_seqs}
+        for layout in (self.memory.layout if hasattr(self, "memory") else None,
+                       getattr(getattr(self, "memory", None), "layout_swa", None)):
+            if layout is not None:
+                b[layout.n_kv_dim] = layout.kv_size
+        b.setdefault("n_kv", self.cparams.n_ctx_seq)
+        if "ns" in names:
+            ns = min(n_seqs, self.cparams.n_seq_max)
+            b.update(ns=ns, T_s=max(1, n_tokens // ns), s0=0)
+            b["T"] = b["n_out"] = ns * b["T_s"]
+        return {k: v for k, v in b.items() if k in names}
+
+    def reserve(self) -> dict[str, int]:
+        """llama.cpp's worst-case reservation at construction: pp (n_ubatch tokens), tg (one token
+        per sequence), then pp again; records the split counts and sizes the compute buffers."""
+        cp = self.cparams
+        cg = self.runner.compiled(self.graph_config(True))
+        n_tokens, n_seqs = min(cp.n_ctx, cp.n_ubatch), cp.n_seq_max
+        n_tokens = -(-n_tokens // n_seqs) * n_seqs
+        worst = [("pp", self._worst_bindings(cg, n_tokens, n_seqs), n_tokens),
+                 ("tg", self._worst_bindings(cg, n_seqs, n_seqs), n_seqs),
+                 ("pp", self._worst_bindings(cg, n_tokens, n_seqs), n_tokens)]
+        sizes = self.runner.reserve(cg, worst)
+        for name, size in sizes.items():
+            log.info("%10s compute buffer size = %8.2f MiB", name, size / 2**20)
+        log.info("graph splits = %d (with bs=%d), %d (with bs=1)", self.runner.n_splits.get("pp", 0), n_tokens,
+                 self.runner.n_splits.get("tg", 0))
+        return sizes
+
+    @property
+    def n_splits(self) -> dict[str, int]:
+        """Split counts of the reserved pp/tg graphs and of the last computed graph."""
+        return dict(self.runner.n_splits)
 
     # -- decode -----------------------------------------------------------------------------------
     def decode(self, batch: Batch) -> int:
@@ -174,19 +220,19 @@ class Context:
             result = self._prev
         else:
             try:
-                graph, executable = self.compiled_graph(self.graph_config(ubatch.tokens is not None, encoder))
-                result = GraphResult(graph, executable, params,
-                                     build_inputs(self, graph, ubatch, mctx, params, encoder))
-            except (IRError, BackendError) as err:
+                cg = self.compiled_graph(self.graph_config(ubatch.tokens is not None, encoder))
+                result = GraphResult(cg, None, params, build_inputs(self, cg.graph, ubatch, mctx, params, encoder))
+            except (IRError, BackendError, PlacementError, SchedError) as err:
                 return DECODE_COMPUTE, f"failed to build the graph: {err}"
             self._prev = result
+        cg = result.graph
         values = result.set_inputs(ubatch)
-        values.update(self._weights)
+        values.update(cg.weights)
         if mctx is not None:
             values.update(self.memory.buffers)
-        bindings = self._bindings(result.graph, ubatch, mctx, n_outputs)
+        bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)
         try:
-            out = result.executable(values, bindings, self._observer())
+            out = self.runner.run(cg, values, bindings, ubatch.n_tokens, self._observer())
         except AbortedError:
             return DECODE_ABORTED, "aborted during compute"
         except MemoryError as err:

@@ -24,48 +24,57 @@ def model(tmp_path_factory):
 
 
 class Reference:
-    """What the memory should hold: per sequence, a multiset of positions."""
+    """What the memory should hold: a list of entries (one per stored token), each a position and
+    the set of sequences that share it. No slots, heads or streams: only llama.cpp's semantics."""
 
     def __init__(self):
-        self.seqs: dict[int, Counter] = {s: Counter() for s in range(N_SEQ)}
+        self.entries: list[list] = []   # [pos, set(seq ids)]
+
+    def positions(self, s) -> Counter:
+        return Counter(pos for pos, seqs in self.entries if s in seqs)
 
     def pos_min(self, s):
-        return min(self.seqs[s]) if self.seqs[s] else -1
+        held = self.positions(s)
+        return min(held) if held else -1
 
     def pos_max(self, s):
-        return max(self.seqs[s]) if self.seqs[s] else -1
+        held = self.positions(s)
+        return max(held) if held else -1
 
     def add(self, s, positions):
-        self.seqs[s].update(positions)
+        self.entries += [[p, {s}] for p in positions]
+
+    @staticmethod
+    def _range(p0, p1):
+        return max(p0, 0), (1 << 31) if p1 < 0 else p1
 
     def rm(self, s, p0, p1):
-        p0, p1 = max(p0, 0), (1 << 31) if p1 < 0 else p1
-        for seq in ([s] if s >= 0 else range(N_SEQ)):
-            self.seqs[seq] = Counter({p: n for p, n in self.seqs[seq].items() if not p0 <= p < p1})
+        p0, p1 = self._range(p0, p1)
+        for e in self.entries:
+            if p0 <= e[0] < p1:
+                e[1] = set() if s < 0 else e[1] - {s}
+        self.entries = [e for e in self.entries if e[1]]
 
     def cp(self, src, dst):
-        self.seqs[dst] = self.seqs[dst] + self.seqs[src]
+        for e in self.entries:
+            if src in e[1]:
+                e[1].add(dst)
 
     def keep(self, s):
-        for seq in range(N_SEQ):
-            if seq != s:
-                self.seqs[seq] = Counter()
+        self.entries = [[p, {s}] for p, seqs in self.entries if s in seqs]
 
     def shift(self, s, p0, p1, delta):
-        p0, p1 = max(p0, 0), (1 << 31) if p1 < 0 else p1
-        out = Counter()
-        for p, n in self.seqs[s].items():
-            q = p + delta if p0 <= p < p1 else p
-            if q >= 0:
-                out[q] += n
-        self.seqs[s] = out
+        p0, p1 = self._range(p0, p1)
+        for e in self.entries:
+            if s in e[1] and p0 <= e[0] < p1:
+                e[0] += delta          # the cell moves, for every sequence sharing it
+        self.entries = [e for e in self.entries if e[0] >= 0]
 
     def div(self, s, p0, p1, d):
-        p0, p1 = max(p0, 0), (1 << 31) if p1 < 0 else p1
-        out = Counter()
-        for p, n in self.seqs[s].items():
-            out[p // d if p0 <= p < p1 else p] += n
-        self.seqs[s] = out
+        p0, p1 = self._range(p0, p1)
+        for e in self.entries:
+            if s in e[1] and p0 <= e[0] < p1:
+                e[0] //= d
 
 
 def check(cache: KVCache, ref: Reference):
@@ -73,10 +82,12 @@ def check(cache: KVCache, ref: Reference):
     used = cells.pos >= 0
     assert not np.any(used & ~cells.seq.any(axis=1)), "a used cell belongs to no sequence"
     assert not np.any(~used & cells.seq.any(axis=1)), "an empty cell still lists a sequence"
+    assert int(used.sum()) == len(ref.entries), f"{int(used.sum())} cells used, {len(ref.entries)} expected"
     for s in range(N_SEQ):
         assert cache.seq_pos_min(s) == ref.pos_min(s) and cache.seq_pos_max(s) == ref.pos_max(s), s
         held = Counter(cells.pos[cells.seq[:, s]].tolist())
-        assert held == ref.seqs[s], f"sequence {s}: cache {sorted(held.elements())} != {sorted(ref.seqs[s].elements())}"
+        want = ref.positions(s)
+        assert held == want, f"sequence {s}: cache {sorted(held.elements())} != {sorted(want.elements())}"
 
 
 seq_ids = st.integers(0, N_SEQ - 1)

@@ -1,0 +1,121 @@
+"""How a context runs graphs: weight placement on its devices, the scheduler, worst-case
+reservation, and per-ubatch execution (llama_context's sched_reserve / graph_compute).
+
+With only the CPU backend the whole graph is one split, so the runner executes the backend's
+compiled symbolic graph directly (no re-split per batch, nothing recompiled while generating).
+With devices, every ubatch's bound graph is split, allocated and computed split by split.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from llamir.backends import Backend
+from llamir.frontend.graph_context import GraphConfig
+from llamir.frontend.placement import Placement, PlacementParams, place_model
+from llamir.ir import ops
+from llamir.ir.bind import bind_dims
+from llamir.passes.sched import Scheduler
+
+log = logging.getLogger("llamir")
+
+
+@dataclass
+class CompiledGraph:
+    """One GraphConfig's symbolic graph, its placement and (CPU-only) executable."""
+
+    graph: object
+    placement: Placement
+    weights: dict
+    executable: object | None
+    bound: dict
+
+
+class Runner:
+    def __init__(self, model, backends: list[Backend], placement_params: PlacementParams, op_offload: bool):
+        self.model = model
+        self.backends = backends
+        self.placement_params = placement_params
+        self.op_offload = op_offload
+        self.graphs: dict[GraphConfig, CompiledGraph] = {}
+        self.sched: Scheduler | None = None
+        self.n_splits: dict[str, int] = {}
+        self.reserved = False
+
+    @property
+    def cpu(self) -> Backend:
+        return self.backends[-1]
+
+    @property
+    def single(self) -> bool:
+        return len(self.backends) == 1
+
+    def compiled(self, config: GraphConfig) -> CompiledGraph:
+        if config not in self.graphs:
+            graph = self.model.build_graph(config)
+            placement = place_model(self.model, graph, self.backends, self.placement_params)
+            placement.apply(graph)
+            if self.sched is None:
+                self.sched = Scheduler(placement.backends, placement.buffers(), op_offload=self.op_offload)
+            else:
+                self.sched.buffers.update(placement.buffers())
+            executable = None
+            if self.single:
+                unsupported = self.cpu.unsupported(graph)
+                if unsupported:
+                    from llamir.backends import BackendError
+
+                    names = ", ".join(sorted({n.op.name for n in unsupported}))
+                    raise BackendError(f"backend {self.cpu.name} cannot run: {names}")
+                executable = self.cpu.compile(graph)
+            self.graphs[config] = CompiledGraph(graph, placement, placement.weight_values(self.model, graph),
+                                                executable, {})
+        return self.graphs[config]
+
+    def _bound(self, cg: CompiledGraph, bindings: dict[str, int]):
+        key = tuple(sorted(bindings.items()))
+        if key not in cg.bound:
+            if len(cg.bound) > 32:
+                cg.bound.clear()
+            cg.bound[key] = bind_dims(cg.graph, {k: v for k, v in bindings.items() if k in cg.graph.dim_names})
+        return cg.bound[key]
+
+    def plan(self, cg: CompiledGraph, bindings: dict[str, int], n_tokens: int):
+        """The split plan of one bound graph (llama.cpp's sched_split_graph)."""
+        g = self._bound(cg, bindings)
+        return self.sched.split_graph(g, cg.placement.pins(g, n_tokens))
+
+    def reserve(self, cg: CompiledGraph, worst: list[tuple[str, dict[str, int], int]]) -> dict[str, int]:
+        """sched_reserve: measure each worst-case graph (pp, tg, pp); record split counts."""
+        for label, bindings, n_tokens in worst:
+            g = self._bound(cg, bindings)
+            pins = cg.placement.pins(g, n_tokens)
+            self.sched.reserve(g, pins)
+            self.n_splits[label] = self.sched.split_graph(g, pins).n_splits
+        self.reserved = True
+        cg.placement.check_memory(self.sched.buffer_sizes())
+        return self.sched.buffer_sizes()
+
+    def run(self, cg: CompiledGraph, values: dict, bindings: dict[str, int], n_tokens: int, observe):
+        if cg.executable is not None:
+            return cg.executable(values, bindings, observe)
+        g = self._bound(cg, bindings)
+        scheduled = self.sched.alloc_graph(g, cg.placement.pins(g, n_tokens))
+        self.n_splits["last"] = scheduled.plan.n_splits
+        return self.sched.graph_compute(scheduled, values, observe)
+
+    def flash_attn_placed_well(self, cg: CompiledGraph, bindings: dict[str, int]) -> bool:
+        """flash_attn=auto: every __fattn__-il node must land on layer il's device (llama.cpp
+        turns flash attention off otherwise)."""
+        plan = self.plan(cg, bindings, 1)
+        for node in self._bound(cg, bindings).nodes:
+            if not node.is_op(ops.FlashAttnExt):
+                continue
+            il = int((node.name or "-0").rsplit("-", 1)[1])
+            device = cg.placement.layer_device[il]
+            placed = plan.backend_of(node).label
+            if placed != device:
+                log.info("flash_attn auto: layer %d's attention runs on %s, not %s: disabling", il, placed, device)
+                return False
+        return True
