@@ -394,6 +394,51 @@ class Context:
         self.state_seq_set_data(body, dest_seq_id)
         return tokens
 
+    # -- memory breakdown -------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, dict[str, int]]:
+        """llama_context::memory_breakdown: bytes of model weights, context (KV cache) and compute
+        buffers per device (the compute buffers come from the worst-case reservation)."""
+        if not self.runner.reserved:
+            self.reserve()
+        cg = self.runner.compiled(self.graph_config(True))
+        placement, sched = cg.placement, self.runner.sched
+        out: dict[str, dict[str, int]] = {}
+        for b in placement.backends:
+            out[b.label] = {"model": placement.weight_bytes.get(b.label, 0),
+                            "context": sum(buf.nbytes for name, buf in self.memory.buffers.items()
+                                           if placement.state.get(name) == b.label),
+                            "compute": sched.buffer_sizes().get(b.label, 0)}
+        return out
+
+    def memory_breakdown_print(self, file=None) -> None:
+        """llama_memory_breakdown_print's table (MiB): devices with total/free, then the host."""
+        import sys
+
+        rows = [["memory breakdown [MiB]", "total", "free", "self", "model", "context", "compute", "unaccounted"]]
+        mib = 2**20
+        for b in self.runner.backends:
+            mb = self.memory_breakdown()[b.label]
+            self_bytes = mb["model"] + mb["context"] + mb["compute"]
+            if b.is_cpu:
+                rows.append([f"  - Host ({b.name})", "", "", str(self_bytes // mib), str(mb["model"] // mib),
+                             str(mb["context"] // mib), str(mb["compute"] // mib), ""])
+            else:
+                total = b.device.memory_total
+                free = max(0, total - self_bytes)
+                rows.append([f"  - {b.label} ({b.device.description})", str(total // mib), str(free // mib),
+                             str(self_bytes // mib), str(mb["model"] // mib), str(mb["context"] // mib),
+                             str(mb["compute"] // mib), str(max(0, total - self_bytes - free) // mib)])
+        widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+        for i, r in enumerate(rows):
+            c = [r[0].ljust(widths[0])] + [r[j].rjust(widths[j]) for j in range(1, len(r))]
+            if i == 0:
+                line = f"| {c[0]} | {c[1]}   {c[2]}    {c[3]}   {c[4]}   {c[5]}   {c[6]}    {c[7]} |"
+            elif r[1]:
+                line = f"| {c[0]} | {c[1]} = {c[2]} + ({c[3]} = {c[4]} + {c[5]} + {c[6]}) + {c[7]} |"
+            else:
+                line = f"| {c[0]} | {c[1]}   {c[2]}    {c[3]} = {c[4]} + {c[5]} + {c[6]}    {c[7]} |"
+            print("llamir_memory_breakdown_print: " + line, file=file or sys.stderr)
+
     # -- perf -------------------------------------------------------------------------------------
     def perf(self) -> dict[str, float]:
         """llama_perf_context: load/prompt-eval/eval times (ms) and counts, and graph reuses."""

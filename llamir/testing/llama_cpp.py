@@ -52,7 +52,8 @@ class LlamaCppOracle:
     def __init__(self, model_path: str | Path, *, n_ctx: int = 512, n_batch: int = 512,
                  n_ubatch: int | None = None, n_threads: int = 2, type_k: str = "f16",
                  type_v: str = "f16", flash_attn: bool = False, n_seq_max: int = 1,
-                 kv_unified: bool = False):
+                 kv_unified: bool = False, embeddings: bool = False, pooling: str | None = None,
+                 causal: bool | None = None):
         lib = _lib()
         self._lib = lib
         self.model_path = Path(model_path)
@@ -79,6 +80,11 @@ class LlamaCppOracle:
                                        else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
             cparams.kv_unified = kv_unified
             cparams.no_perf = True
+            cparams.embeddings = embeddings
+            if pooling is not None:
+                cparams.pooling_type = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}[pooling]
+            if causal is not None:
+                cparams.attention_type = 0 if causal else 1
             self._ctx = lib.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise RuntimeError(f"llama.cpp could not create a context for {self.model_path} "
@@ -156,6 +162,31 @@ class LlamaCppOracle:
                 b.seq_id[i][j] = int(s)
             b.logits[i] = bool(logits[i])
         return int(self._lib.llama_decode(self._ctx, b))
+
+    def embeddings_seq(self, seq_id: int) -> np.ndarray:
+        """The pooled embedding of a sequence after the last decode/encode."""
+        n_embd = int(self._lib.llama_model_n_embd(self._model))
+        ptr = self._lib.llama_get_embeddings_seq(self._ctx, seq_id)
+        if not ptr:
+            raise IndexError(f"llama.cpp has no pooled embedding for sequence {seq_id}")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
+
+    def embeddings_ith(self, i: int) -> np.ndarray:
+        n_embd = int(self._lib.llama_model_n_embd(self._model))
+        ptr = self._lib.llama_get_embeddings_ith(self._ctx, i)
+        if not ptr:
+            raise IndexError(f"llama.cpp has no embedding for batch position {i}")
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
+
+    def encode_batch(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
+        b = self._batch
+        b.n_tokens = len(tokens)
+        for i in range(len(tokens)):
+            b.token[i], b.pos[i], b.n_seq_id[i] = int(tokens[i]), int(pos[i]), len(seq_ids[i])
+            for j, s in enumerate(seq_ids[i]):
+                b.seq_id[i][j] = int(s)
+            b.logits[i] = True
+        return int(self._lib.llama_encode(self._ctx, b))
 
     def logits_ith(self, i: int) -> np.ndarray:
         """A copy of the logits of batch position `i` of the last decode (negative counts from the end)."""
