@@ -16,11 +16,11 @@ from llamir.backends.llvm.executable import CompiledSplit
 from llamir.backends.llvm.lowering import Lowerer, supported
 from llamir.backends.llvm.runtime import ThreadPool, load_object
 from llamir.backends.llvm.target import Target, host_target
-from llamir.ir import Graph, Node, parse_graph, print_graph
+from llamir.ir import Graph, Node, ops, parse_graph, print_graph
 
 log = logging.getLogger("llamir")
 
-DEFAULT_PASSES = "cse,fuse,dce"
+DEFAULT_PASSES = "unfuse-attention,cse,fuse-rms-norm,fuse-norm,dce"
 
 
 @dataclass
@@ -75,6 +75,8 @@ class LLVMBackend(Backend):
         return self._pool
 
     def supports_op(self, node: Node) -> bool:
+        if node.is_op(ops.SoftMaxAttn):   # decomposed (unfuse-attention) before lowering
+            return True
         return supported(node, self.target)
 
     def compile(self, graph: Graph, observe_variant: bool = False) -> CompiledSplit:
@@ -85,7 +87,7 @@ class LLVMBackend(Backend):
         stats = CompileStats(history=self.compile_stats.history)
         t0 = time.perf_counter()
         g = parse_graph(print_graph(graph))
-        passes = "" if observe_variant else self.passes
+        passes = "unfuse-attention" if observe_variant else self.passes
         if passes:
             from llamir.passes.pipeline import run_pipeline
 

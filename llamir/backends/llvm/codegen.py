@@ -48,6 +48,9 @@ class FrameLayout:
         for name in plan.outputs:
             outputs[name] = slot
             slot += 1
+        for name in plan.packed:
+            leaves[name] = slot
+            slot += 1
         return cls(dims, leaves, outputs, slot)
 
 
@@ -167,7 +170,7 @@ class ModuleBuilder:
                 off = em.add(off, em.mul(ith64, self._expr(em, frame, buf.size, values)))
             base = em.gep(arena, off)
         else:
-            slots = self.layout.leaves if buf.kind == "leaf" else self.layout.outputs
+            slots = self.layout.outputs if buf.kind == "output" else self.layout.leaves
             base = em.load(PTR, frame, slots[buf.name] * 8, align=8)
         bases[id(buf)] = base
         return base

@@ -15,6 +15,7 @@ import numpy as np
 
 from llamir.backends.base import BackendError
 from llamir.backends.llvm.codegen import ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS, FrameLayout
+from llamir.backends.llvm.kernels.repack import PACKED
 from llamir.backends.llvm.plan import Plan, Ref
 from llamir.backends.llvm.runtime import ThreadPool
 from llamir.ir import Graph, Node, dims
@@ -74,6 +75,10 @@ class CompiledSplit:
             shape = _storage_dims(leaf)
             self._leaves.append(_Leaf(leaf.name, layout.leaves[leaf.name], leaf.kind, shape,
                                       storage_dtype(leaf.dtype), all(isinstance(d, int) for d in shape)))
+        self._packed = {}    # leaf name -> [(slot, format)]
+        for name, buf in plan.packed.items():
+            leaf_name, fmt = buf.source
+            self._packed.setdefault(leaf_name, []).append((layout.leaves[name], fmt))
         self._outputs = []
         for name, node in graph.outputs.items():
             self._outputs.append(_Output(name, layout.outputs[name], _storage_dims(node),
@@ -113,6 +118,8 @@ class CompiledSplit:
                 continue
             arr = self._check_leaf(spec, arr, bindings)
             frame[spec.slot] = arr.__array_interface__["data"][0]
+            for slot, fmt in self._packed.get(spec.name, ()):
+                frame[slot] = PACKED.get(arr, fmt).__array_interface__["data"][0]
             if spec.concrete and spec.kind != "input":
                 spec.last = arr
             else:

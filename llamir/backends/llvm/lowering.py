@@ -158,3 +158,6 @@ class Lowerer:
 from llamir.backends.llvm.kernels import elementwise_lower  # noqa: E402,F401
 from llamir.backends.llvm.kernels import rows_lower  # noqa: E402,F401
 from llamir.backends.llvm.kernels import gather_lower  # noqa: E402,F401
+from llamir.backends.llvm.kernels import rope_lower  # noqa: E402,F401
+from llamir.backends.llvm.kernels import matmul_lower  # noqa: E402,F401
+from llamir.backends.llvm.kernels import attention_lower  # noqa: E402,F401

@@ -157,6 +157,7 @@ class Plan:
         self.leaves: dict[str, Buffer] = {}
         self.outputs: dict[str, Buffer] = {}
         self.temps: list[Buffer] = []
+        self.packed: dict[str, Buffer] = {}   # repacked weights, by "leaf|format"
         self.n_stages = 0
         self.arena_size: Expr = 0
         self.sites: list[str] = []      # error sites: what a kernel reports in the frame

@@ -1,0 +1,238 @@
+"""Float matmuls (f32, f16, bf16 weights or KV caches): y[.., n, m] = sum_k a[.., m, k] b[.., n, k].
+
+Two summation orders, the two ggml uses on AVX-512, chosen as ggml chooses at run time:
+- tinyBLAS (llamafile sgemm; N >= 2, K % 16 == 0, M % 4 == 0 and src1 offered): one 16-lane
+  fma accumulator per output, reduced as _mm512_reduce_add_ps. Computed in 4 x 6 register tiles
+  over n-blocks that stay in L2; f16/bf16 weight rows are widened once per n-block into a
+  per-thread scratch.
+- ggml_vec_dot_f16/f32 otherwise: four 16-lane accumulators over 64-wide steps, summed
+  (0+2)+(1+3), reduced, then the leftovers (into a double for f16; rounded products, then fmas
+  for the last K % 8, for f32).
+
+b arrives already rounded to a's type (see MatPrep) unless a is f32. Threads split the
+(batch, 16-row block of M) units.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from llamir.backends.llvm.emit import F32, F64, I64, Emitter, storage_type, vec
+from llamir.backends.llvm.plan import Kernel, Ref
+
+LANES = 16
+RM, RN = 4, 6
+M_UNIT = 16
+L2_BUDGET = 1 << 20     # bytes of b rows kept hot per n-block
+
+
+def _v(em: Emitter, ptr, off, dtype: str):
+    """16 lanes of a float row at byte offset `off`, as f32."""
+    ety = storage_type(dtype)
+    return em.to_f32(em.load(vec(ety, LANES), ptr, off), dtype)
+
+
+def _s(em: Emitter, ptr, off, dtype: str):
+    return em.to_f32(em.load(storage_type(dtype), ptr, off), dtype)
+
+
+class MatMulFloat(Kernel):
+    """y [B0, B1, N, M] f32 (contiguous) from a [A0, A1, M, K] and b [B0, B1, N, K] (rows of
+    both contiguous along K; any row/batch strides)."""
+
+    def __init__(self, y: Ref, a: Ref, b: Ref, b_dtype: str, sgemm: bool):
+        y, a, b = y.padded(), a.padded(), b.padded()
+        self.a_dtype, self.b_dtype = a.dtype.name, b_dtype
+        self.sgemm = sgemm
+        self.n_ptrs = 4        # y, a, b, per-thread scratch
+        super().__init__(list(y.shape) + list(y.strides[:3]) + list(a.shape[:2]) + list(a.strides[:3])
+                         + list(b.strides[:3]) + [b.shape[3]])
+
+    def config(self) -> tuple:
+        return (self.a_dtype, self.b_dtype, self.sgemm)
+
+    def emit(self, em: Emitter, a) -> None:
+        b = em.b
+        yshape, ystr = a.ints[0:4], a.ints[4:7]
+        ash, astr, bstr, K = a.ints[7:9], a.ints[9:12], a.ints[12:15], a.ints[15]
+        N, M = yshape[2], yshape[3]
+        m_units = em.cdiv(M, M_UNIT)
+        batches = em.mul(yshape[0], yshape[1])
+        u0, u1 = em.split(em.mul(batches, m_units), a.ith, a.nth)
+        y_ptr, a_ptr, b_ptr, scratch = a.ptrs
+        tiny = self._tinyblas_ok(em, N, M, K)
+        with em.loop(u0, u1, name="unit") as u:
+            bi = em.div(u, m_units)
+            m0 = em.mul(em.rem(u, m_units), M_UNIT)
+            m1 = em.min(em.add(m0, M_UNIT), M)
+            i1 = em.rem(bi, yshape[1])
+            i0 = em.div(bi, yshape[1])
+            ai0 = em.div(i0, em.div(yshape[0], ash[0]))
+            ai1 = em.div(i1, em.div(yshape[1], ash[1]))
+            A = em.gep(a_ptr, em.add(em.mul(ai0, astr[0]), em.mul(ai1, astr[1])))
+            B = em.gep(b_ptr, em.add(em.mul(i0, bstr[0]), em.mul(i1, bstr[1])))
+            Y = em.gep(y_ptr, em.add(em.mul(i0, ystr[0]), em.mul(i1, ystr[1])))
+            with em.if_else(tiny) as (then, otherwise):
+                with then:
+                    self._tiles(em, A, B, Y, scratch, m0, m1, N, K, astr[2], bstr[2], ystr[2])
+                with otherwise:
+                    self._vec_dots(em, A, B, Y, m0, m1, N, K, astr[2], bstr[2], ystr[2])
+        del b
+
+    def _tinyblas_ok(self, em: Emitter, N, M, K) -> ir.Value:
+        b = em.b
+        if not self.sgemm:
+            return ir.Constant(ir.IntType(1), 0)
+        ok = em.icmp(">=", N, 2)
+        ok = b.and_(ok, em.icmp("==", em.rem(K, 16), 0))
+        return b.and_(ok, em.icmp("==", em.rem(M, 4), 0))
+
+    # -- tinyBLAS order ----------------------------------------------------------------------
+    def _tiles(self, em: Emitter, A, B, Y, scratch, m0, m1, N, K, lda, ldb, ldy) -> None:
+        b = em.b
+        widen = self.a_dtype != "f32"
+        nb = em.max(RN * 4, em.min(512, em.mul(em.div(em.div(L2_BUDGET, em.mul(K, 4)), RN), RN)))
+        n0v = em.var(I64, ir.Constant(I64, 0))
+        head, body, done = (em.fn.append_basic_block(x) for x in ("nb.head", "nb.body", "nb.done"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(em.icmp("<", em.get(n0v), N), body, done)
+        b.position_at_end(body)
+        n0 = em.get(n0v)
+        n1 = em.min(em.add(n0, nb), N)
+        with em.loop(m0, m1, RM, name="mt") as mt:
+            if widen:   # RM weight rows -> f32 scratch [RM][K]
+                with em.loop(0, K, LANES, name="wk") as k:
+                    for i in range(RM):
+                        row = em.add(em.mul(em.add(mt, i), lda), 0)
+                        v = _v(em, A, em.add(row, em.mul(k, self._asize())), self.a_dtype)
+                        em.store(v, scratch, em.mul(em.add(em.mul(i, K), k), 4))
+                arow = [em.gep(scratch, em.mul(em.mul(i, K), 4)) for i in range(RM)]
+                astep, adt = 4, "f32"
+            else:
+                arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
+                astep, adt = 4, "f32"
+            full = em.add(n0, em.mul(em.div(em.sub(n1, n0), RN), RN))
+            with em.loop(n0, full, RN, name="nt") as nt:
+                self._tile(em, arow, astep, adt, B, Y, mt, nt, RN, K, ldb, ldy)
+            rest = em.sub(n1, full)
+            for rn in range(1, RN):
+                with em.if_(em.icmp("==", rest, rn)):
+                    self._tile(em, arow, astep, adt, B, Y, mt, full, rn, K, ldb, ldy)
+        em.set(n0v, em.i64(n1))
+        b.branch(head)
+        b.position_at_end(done)
+
+    def _asize(self) -> int:
+        return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]
+
+    def _tile(self, em: Emitter, arow, astep, adt, B, Y, mt, nt, rn: int, K, ldb, ldy) -> None:
+        b = em.b
+        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+        accs = [[em.var(vec(F32, LANES), zero) for _ in range(RM)] for _ in range(rn)]
+        brow = [em.gep(B, em.mul(em.add(nt, j), ldb)) for j in range(rn)]
+        with em.loop(0, K, LANES, name="k") as k:
+            av = [em.load(vec(F32, LANES), arow[i], em.mul(k, astep)) for i in range(RM)]
+            for j in range(rn):
+                bv = _v(em, brow[j], em.mul(k, 4), "f32")
+                for i in range(RM):
+                    em.set(accs[j][i], em.fma(av[i], bv, em.get(accs[j][i])))
+        for j in range(rn):
+            for i in range(RM):
+                out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
+                em.store(em.reduce_add_tree(em.get(accs[j][i])), Y, out)
+        del b
+
+    # -- ggml_vec_dot order --------------------------------------------------------------------
+    def _vec_dots(self, em: Emitter, A, B, Y, m0, m1, N, K, lda, ldb, ldy) -> None:
+        main = em.mul(em.div(K, 64), 64)
+        with em.loop(0, N, name="n") as n:
+            brow = em.gep(B, em.mul(n, ldb))
+            full = em.add(m0, em.mul(em.div(em.sub(m1, m0), 4), 4))
+            with em.loop(m0, full, 4, name="m4") as m:
+                self._dots(em, A, brow, Y, n, m, 4, K, main, lda, ldy)
+            with em.loop(full, m1, name="m1") as m:
+                self._dots(em, A, brow, Y, n, m, 1, K, main, lda, ldy)
+
+    def _dots(self, em: Emitter, A, brow, Y, n, m, rows: int, K, main, lda, ldy) -> None:
+        b = em.b
+        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+        size = self._asize()
+        arows = [em.gep(A, em.mul(em.add(m, r), lda)) for r in range(rows)]
+        accs = [[em.var(vec(F32, LANES), zero) for _ in range(4)] for _ in range(rows)]
+        with em.loop(0, main, 64, name="k64") as k:
+            bv = [_v(em, brow, em.mul(em.add(k, 16 * q), 4), "f32") for q in range(4)]
+            for r in range(rows):
+                for q in range(4):
+                    av = _v(em, arows[r], em.mul(em.add(k, 16 * q), size), self.a_dtype)
+                    em.set(accs[r][q], em.fma(av, bv[q], em.get(accs[r][q])))
+        for r in range(rows):
+            s = [em.get(x) for x in accs[r]]
+            total = em.reduce_add_tree(b.fadd(b.fadd(s[0], s[2]), b.fadd(s[1], s[3])))
+            total = self._leftovers(em, arows[r], brow, total, main, K)
+            em.store(total, Y, em.add(em.mul(n, ldy), em.mul(em.add(m, r), 4)))
+
+    def _leftovers(self, em: Emitter, arow, brow, total, main, K):
+        b = em.b
+        size = self._asize()
+        if self.a_dtype == "f32":
+            acc = em.var(F32, total)
+            fused_from = em.sub(K, em.rem(K, 8))
+            with em.loop(main, K, name="left") as i:
+                av, bv = _s(em, arow, em.mul(i, size), "f32"), _s(em, brow, em.mul(i, 4), "f32")
+                plain = b.fadd(em.get(acc), b.fmul(bv, av))
+                fused = em.fma(bv, av, em.get(acc))
+                em.set(acc, b.select(em.icmp("<", i, fused_from), plain, fused))
+            return em.get(acc)
+        acc = em.var(F64, b.fpext(total, F64))
+        with em.loop(main, K, name="left") as i:
+            p = b.fmul(_s(em, brow, em.mul(i, 4), "f32"), _s(em, arow, em.mul(i, size), self.a_dtype))
+            em.set(acc, b.fadd(em.get(acc), b.fpext(p, F64)))
+        return b.fptrunc(em.get(acc), F32)
+
+
+class MatPrep(Kernel):
+    """b rounded to the weight's type (f16 or bf16, kept as f32 values), written contiguous:
+    ggml's src1 conversion to the vec_dot_type. Threads take rows."""
+
+    def __init__(self, out: Ref, src: Ref, to: str):
+        out, src = out.padded(), src.padded()
+        self.to = to
+        self.src_dtype = src.dtype.name
+        self.n_ptrs = 2
+        super().__init__(list(src.shape) + list(src.strides) + list(out.strides))
+
+    def config(self) -> tuple:
+        return (self.to, self.src_dtype)
+
+    def emit(self, em: Emitter, a) -> None:
+        from llamir.backends.llvm.kernels.rows import row_pointer
+
+        shape, sst, ost = a.ints[0:4], a.ints[4:8], a.ints[8:12]
+        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        with em.loop(r0, r1, name="row") as r:
+            src = row_pointer(em, a.ptrs[1], r, shape[:3], sst[:3])
+            dst = row_pointer(em, a.ptrs[0], r, shape[:3], ost[:3])
+            chunks = em.mul(em.div(shape[3], LANES), LANES)
+
+            def conv(x):
+                if self.to == "f32":
+                    return x
+                return em.to_f32(em.from_f32(x, self.to), self.to)
+
+            with em.loop(0, chunks, LANES, name="c") as c:
+                x = _v(em, src, em.mul(c, sst[3]), self.src_dtype) if isinstance(sst[3], int) and \
+                    sst[3] == _size(self.src_dtype) else None
+                if x is None:
+                    x = ir.Constant(vec(F32, LANES), None)
+                    for j in range(LANES):
+                        x = em.b.insert_element(x, _s(em, src, em.mul(em.add(c, j), sst[3]), self.src_dtype),
+                                                ir.Constant(ir.IntType(32), j))
+                em.store(conv(x), dst, em.mul(c, 4))
+            with em.loop(chunks, shape[3], name="t") as c:
+                em.store(conv(_s(em, src, em.mul(c, sst[3]), self.src_dtype)), dst, em.mul(c, 4))
+
+
+def _size(dtype: str) -> int:
+    return {"f32": 4, "f16": 2, "bf16": 2}[dtype]

@@ -1,0 +1,83 @@
+"""Lowering of mul_mat: activation preparation (rounding to the weight's vec_dot_type, shared by
+every matmul that reads the same activations) then the matmul kernel for the weight's format."""
+
+from __future__ import annotations
+
+from llamir.backends.llvm import expr as E
+from llamir.backends.llvm.kernels.elementwise import row_part
+from llamir.backends.llvm.kernels.matmul_float import RM, MatMulFloat, MatPrep
+from llamir.backends.llvm.lowering import Lowerer, lowering
+from llamir.backends.llvm.plan import Ref
+from llamir.ir import Node, ops
+
+FLOAT_WEIGHTS = ("f32", "f16", "bf16")
+
+
+def contiguous_rows(L: Lowerer, ref: Ref, label: str) -> Ref:
+    """`ref`, or a contiguous copy when its last axis is strided (kernels read rows as vectors)."""
+    if ref.strides[-1] == ref.dtype.type_size:
+        return ref
+    from llamir.backends.llvm.kernels.elementwise_lower import copy_step
+
+    buf = L.scratch(ref.nbytes(), label)
+    out = L.plan.new_ref(buf, ref.shape, ref.dtype)
+    copy_step(L, out, ref)
+    return out
+
+
+def prepared_b(L: Lowerer, node: Node, to: str) -> Ref:
+    """b rounded to `to` (f32 storage), contiguous; one per (activation, type) in the split."""
+    b_node = node.inputs[1]
+    key = ("matprep", id(b_node), to)
+    hit = L.cache.get(key)
+    if hit is not None:
+        return hit
+    b = L.ref(b_node)
+    shape = b.shape
+    size = E.mul(E.prod(shape), 4)
+    from llamir.ir import F32
+
+    buf = L.scratch(size, f"{to}_act")
+    out = L.plan.new_ref(buf, shape, F32)
+    part = row_part(out)
+    read = row_part(b) if b.is_contiguous and b.dtype.name == "f32" else None
+    L.step(MatPrep(out, b, to), [out, b], [b], [out], part, [read])
+    L.cache[key] = out
+    return out
+
+
+def lower_float_matmul(L: Lowerer, node: Node) -> None:
+    a = contiguous_rows(L, L.ref(node.inputs[0]), "a_rows")
+    b = L.ref(node.inputs[1])
+    a_dtype = a.dtype.name
+    if a_dtype == "f32" and b.dtype.name == "f32" and b.strides[-1] == 4:
+        sgemm = b.is_contiguous
+    else:
+        b = prepared_b(L, node, a_dtype)
+        sgemm = True
+    y = L.out(node)
+    K = a.shape[-1]
+    scratch = L.scratch(E.mul(K, RM * 4), "a_tile", per_thread=True)
+    kernel = MatMulFloat(y, a, b, "f32", sgemm)
+    L.step(kernel, [y, a, b, (scratch, 0)], [a, b], [y, scratch])
+
+
+def _supported(node: Node, target) -> bool:
+    a, b = node.inputs[0].dtype.name, node.inputs[1].dtype.name
+    if b not in FLOAT_WEIGHTS:
+        return False
+    if a in FLOAT_WEIGHTS:
+        return True
+    from llamir.backends.llvm.kernels.matmul_quant_lower import quant_supported
+
+    return quant_supported(node, target)
+
+
+@lowering(ops.MulMat, supports=_supported)
+def lower_mul_mat(L: Lowerer, node: Node) -> None:
+    if node.inputs[0].dtype.name in FLOAT_WEIGHTS:
+        lower_float_matmul(L, node)
+        return
+    from llamir.backends.llvm.kernels.matmul_quant_lower import lower_quant_matmul
+
+    lower_quant_matmul(L, node)

@@ -1,0 +1,157 @@
+"""Quantized matmul over repacked weights (repack.py) and quantized activations (quant_act.py).
+
+Each thread takes groups of 16 weight rows; for each group it runs over the tokens in tiles of
+RN (all tokens stay in L2 in n-blocks), and for each block of K it unpacks the 16 rows' values
+once, then for each token of the tile does C int8 dot products (vpdpbusd: unsigned weights x
+signed activations, 4 values per lane, lanes = rows) and the float accumulation of the format's
+order. Weights are read once per n-block; token generation is one streaming pass.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from llamir.backends.llvm.emit import F16, F32, I8, I32, Emitter, vec
+from llamir.backends.llvm.kernels.quant_act import act_layout
+from llamir.backends.llvm.kernels.repack import G, QFormat
+from llamir.backends.llvm.plan import Kernel
+
+L2_BUDGET = 1 << 20
+
+
+def dpbusd(em: Emitter, acc, w_u8, x_s8):
+    """acc[l] + sum_{t<4} w[4l+t] * x[4l+t] (unsigned w, signed x), 16 int32 lanes."""
+    if em.target.vnni512:
+        return em.intrinsic("llvm.x86.avx512.vpdpbusd.512", acc.type, [acc, w_u8, x_s8])
+    b = em.b
+    wide = vec(I32, 64)
+    prod = b.mul(b.zext(w_u8, wide), b.sext(x_s8, wide))
+    total = acc
+    for t in range(4):
+        total = b.add(total, em.shuffle(prod, None, range(t, 64, 4)))
+    return total
+
+
+class MatMulQ(Kernel):
+    """y [N, M] f32 = act [N, K] (quantized rows) x packed weight [M, K]."""
+
+    def __init__(self, fmt: QFormat, K: int, n_rows, m_rows: int):
+        self.fmt = fmt
+        self.K = K
+        self.rn = 2 if fmt.order == "lanes8" else 6
+        self.n_ptrs = 3
+        super().__init__([n_rows, m_rows])
+
+    def config(self) -> tuple:
+        return (self.fmt, self.K, self.rn)
+
+    def emit(self, em: Emitter, a) -> None:
+        b = em.b
+        N, M = a.ints
+        y_ptr, w_ptr, x_ptr = a.ptrs
+        nb, _, _, _, row_bytes = act_layout(self.fmt, self.K)
+        groups = em.cdiv(M, G)
+        g0, g1 = em.split(groups, a.ith, a.nth)
+        n_block = max(self.rn, (L2_BUDGET // row_bytes) // self.rn * self.rn)
+        n0v = em.var(ir.IntType(64), em.i64(0))
+        head, body, done = (em.fn.append_basic_block(x) for x in ("nb.head", "nb.body", "nb.done"))
+        b.branch(head)
+        b.position_at_end(head)
+        b.cbranch(em.icmp("<", em.get(n0v), N), body, done)
+        b.position_at_end(body)
+        n0 = em.get(n0v)
+        n1 = em.min(em.add(n0, n_block), N)
+        with em.loop(g0, g1, name="grp") as g:
+            wg = em.gep(w_ptr, em.mul(g, nb * self.fmt.block_bytes))
+            valid = em.min(em.sub(M, em.mul(g, G)), G)
+            full = em.add(n0, em.mul(em.div(em.sub(n1, n0), self.rn), self.rn))
+            with em.loop(n0, full, self.rn, name="nt") as nt:
+                self._tile(em, wg, x_ptr, y_ptr, g, nt, self.rn, M, valid, nb, row_bytes)
+            rest = em.sub(n1, full)
+            for rn in range(1, self.rn):
+                with em.if_(em.icmp("==", rest, rn)):
+                    self._tile(em, wg, x_ptr, y_ptr, g, full, rn, M, valid, nb, row_bytes)
+        em.set(n0v, em.i64(n1))
+        b.branch(head)
+        b.position_at_end(done)
+
+    # -- one tile: 16 rows x rn tokens -------------------------------------------------------------
+    def _tile(self, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int, M, valid, nb: int, row_bytes: int) -> None:
+        b = em.b
+        fmt = self.fmt
+        _, off_d, off_aux, off_corr, _ = act_layout(fmt, self.K)
+        vf = vec(F32, G)
+        zero = ir.Constant(vf, [0.0] * G)
+        lanes8 = fmt.order == "lanes8"
+        accs = [[em.var(vf, zero) for _ in range(fmt.chunks if lanes8 else 1)] for _ in range(rn)]
+        mins = [em.var(vf, zero) for _ in range(rn)] if fmt.min else []
+        rows = [em.gep(x_ptr, em.mul(em.add(nt, j), row_bytes)) for j in range(rn)]
+        izero = ir.Constant(vec(I32, G), [0] * G)
+        with em.loop(0, nb, name="blk") as k:
+            wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+            chunks = self._unpack(em, wb)
+            ws = self._scales(em, wb, fmt.quant_bytes, fmt.scale)
+            wm = self._scales(em, wb, fmt.quant_bytes + fmt.scale_bytes, fmt.min) if fmt.min else None
+            for j in range(rn):
+                xr = rows[j]
+                dx = em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), G)
+                scale = b.fmul(dx, ws)
+                xq = em.gep(xr, em.mul(k, fmt.bs))
+                if lanes8:
+                    for c in range(fmt.chunks):
+                        init = self._corr(em, xr, off_corr, em.add(em.mul(k, fmt.chunks), c)) \
+                            if fmt.corr == "chunk" else izero
+                        p = dpbusd(em, init, chunks[c], self._xb(em, xq, 4 * c))
+                        em.set(accs[j][c], em.fma(scale, b.sitofp(p, vf), em.get(accs[j][c])))
+                else:
+                    isum = self._corr(em, xr, off_corr, k) if fmt.corr == "block" else izero
+                    for c in range(fmt.chunks):
+                        isum = dpbusd(em, isum, chunks[c], self._xb(em, xq, 4 * c))
+                    em.set(accs[j][0], em.fma(b.sitofp(isum, vf), scale, em.get(accs[j][0])))
+                if wm is not None:
+                    aux = em.splat(em.load(F32, xr, em.add(off_aux, em.mul(k, 4))), G)
+                    em.set(mins[j], em.fma(wm, aux, em.get(mins[j])))
+        full_group = em.icmp("==", valid, G)
+        mask = em.lane_mask(G, valid)
+        for j in range(rn):
+            if lanes8:
+                a_ = [em.get(x) for x in accs[j]]
+                total = b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
+                               b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7])))
+            else:
+                total = em.get(accs[j][0])
+            if mins:
+                total = b.fadd(total, em.get(mins[j]))
+            off = em.add(em.mul(em.add(nt, j), em.mul(M, 4)), em.mul(g, G * 4))
+            with em.if_else(full_group) as (then, otherwise):
+                with then:
+                    em.store(total, y_ptr, off)
+                with otherwise:
+                    em.masked_store(total, y_ptr, off, mask)
+
+    def _unpack(self, em: Emitter, wb) -> list:
+        b = em.b
+        v8 = vec(I8, 64)
+        fmt = self.fmt
+        if fmt.packing == "byte":
+            return [em.load(v8, wb, 64 * c) for c in range(fmt.chunks)]
+        half = fmt.chunks // 2
+        low = ir.Constant(v8, [0x0F] * 64)
+        four = ir.Constant(v8, [4] * 64)
+        lo, hi = [], []
+        for v in range(half):
+            raw = em.load(v8, wb, 64 * v)
+            lo.append(b.and_(raw, low))
+            hi.append(b.lshr(raw, four))
+        return lo + hi
+
+    def _scales(self, em: Emitter, wb, off: int, kind: str):
+        if kind == "f16":
+            return em.b.fpext(em.load(vec(F16, G), wb, off), vec(F32, G))
+        return em.load(vec(F32, G), wb, off)
+
+    def _corr(self, em: Emitter, xr, off_corr: int, index):
+        return em.splat(em.load(I32, xr, em.add(off_corr, em.mul(index, 4))), G)
+
+    def _xb(self, em: Emitter, xq, off: int):
+        return em.b.bitcast(em.splat(em.load(I32, xq, off), G), vec(I8, 64))

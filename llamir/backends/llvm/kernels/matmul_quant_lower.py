@@ -1,0 +1,63 @@
+"""Lowering of mul_mat with quantized weights: packed weights + shared quantized activations."""
+
+from __future__ import annotations
+
+from llamir.backends.llvm import expr as E
+from llamir.backends.llvm.kernels.elementwise import row_part
+from llamir.backends.llvm.kernels.matmul_quant import MatMulQ
+from llamir.backends.llvm.kernels.quant_act import QuantAct, act_layout
+from llamir.backends.llvm.kernels.repack import QFormat, weight_format
+from llamir.backends.llvm.lowering import Lowerer
+from llamir.backends.llvm.plan import Buffer, Part
+from llamir.ir import Node
+
+
+def _packable(node: Node) -> QFormat | None:
+    a = node.inputs[0]
+    if a.kind != "weight" or not a.type.is_concrete or any(d != 1 for d in a.type.shape[:-2]):
+        return None
+    m_rows, k = a.type.shape[-2], a.type.shape[-1]
+    fmt = weight_format(a.dtype.name, m_rows)
+    if fmt is None or k % (256 if fmt.vdt == "q8_k" else 32):
+        return None
+    return fmt
+
+
+def quant_supported(node: Node, target) -> bool:
+    return _packable(node) is not None
+
+
+def quantized_activation(L: Lowerer, b_node: Node, fmt: QFormat, K: int):
+    key = ("qact", id(b_node), fmt.vdt, fmt.bs, fmt.corr, fmt.offset)
+    hit = L.cache.get(key)
+    if hit is not None:
+        return hit
+    b = L.ref(b_node)
+    n_rows = E.prod(b.shape[:-1]) if b.rank > 1 else 1
+    _, _, _, _, row_bytes = act_layout(fmt, K)
+    buf = L.scratch(E.mul(n_rows, row_bytes), f"{fmt.vdt}_act")
+    part = Part(buf, 0, row_bytes, n_rows)
+    read = row_part(b) if b.is_contiguous else None
+    read = read if read is not None and read.n_units == n_rows else None
+    L.step(QuantAct((buf, 0), b, fmt, K), [(buf, 0), b], [b], [buf], part, [read])
+    L.cache[key] = (buf, n_rows)
+    return buf, n_rows
+
+
+def packed_buffer(L: Lowerer, leaf: Node, fmt: QFormat) -> Buffer:
+    name = f"{leaf.name}|{fmt.name}"
+    buf = L.plan.packed.get(name)
+    if buf is None:
+        buf = L.plan.packed[name] = Buffer("packed", name)
+        buf.source = (leaf.name, fmt)
+    return buf
+
+
+def lower_quant_matmul(L: Lowerer, node: Node) -> None:
+    fmt = _packable(node)
+    a = node.inputs[0]
+    m_rows, K = a.type.shape[-2], a.type.shape[-1]
+    act, n_rows = quantized_activation(L, node.inputs[1], fmt, K)
+    packed = packed_buffer(L, a, fmt)
+    y = L.out(node)
+    L.step(MatMulQ(fmt, K, n_rows, m_rows), [y, (packed, 0), (act, 0)], [packed, act], [y])

@@ -1,0 +1,135 @@
+"""Activation quantization for quantized matmuls: ggml's x86 from_float of the weight's
+vec_dot_type (q8_0, q8_1: id = 127/amax, round half to even; q8_K: iscale = -127/max), written
+in the layout the packed matmul reads. One row of K values becomes:
+
+    qs    K int8                        (at 0)
+    d     nb float32: the block scale the dot product uses (fp16-rounded for q8_0/q8_1)
+    aux   nb float32: q8_1's fp16 s = d*sum(q); for q8_K, d * sum of the (sub-)block's q
+    corr  nb*C int32: -offset * sum of each chunk (C = bs/4) or block (C = 1) of q, or nothing
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from llamir.backends.llvm.emit import F16, F32, I8, I32, Emitter, storage_type
+from llamir.backends.llvm.kernels.repack import QFormat
+from llamir.backends.llvm.plan import Kernel, Ref
+
+
+def act_layout(fmt: QFormat, K: int) -> tuple[int, int, int, int, int]:
+    """(nb, off_d, off_aux, off_corr, row_bytes) of one quantized activation row."""
+    nb = K // fmt.bs
+    c = _n_corr(fmt)
+    off_d = K
+    off_aux = off_d + 4 * nb
+    off_corr = off_aux + 4 * nb
+    row = off_corr + 4 * c * nb
+    return nb, off_d, off_aux, off_corr, -(-row // 64) * 64
+
+
+def _n_corr(fmt: QFormat) -> int:
+    return fmt.chunks if fmt.corr == "chunk" else (1 if fmt.corr == "block" else 0)
+
+
+class QuantAct(Kernel):
+    """Quantize rows of b [.., N, K] (any float type, any row strides) for format `fmt`."""
+
+    def __init__(self, out, src: Ref, fmt: QFormat, K: int):
+        src = src.padded()
+        self.fmt = fmt
+        self.K = K
+        self.src_dtype = src.dtype.name
+        self.n_ptrs = 2
+        super().__init__(list(src.shape[:3]) + list(src.strides))
+
+    def config(self) -> tuple:
+        return (self.fmt.vdt, self.fmt.bs, self.fmt.corr, self.fmt.offset, self.K, self.src_dtype)
+
+    def emit(self, em: Emitter, a) -> None:
+        from llamir.backends.llvm.kernels.rows import row_pointer
+
+        shape, st = a.ints[0:3], a.ints[3:7]
+        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        nb, off_d, off_aux, off_corr, row_bytes = act_layout(self.fmt, self.K)
+        ety = storage_type(self.src_dtype)
+        with em.loop(r0, r1, name="row") as r:
+            src = row_pointer(em, a.ptrs[1], r, shape, st[:3])
+            dst = em.gep(a.ptrs[0], em.mul(r, row_bytes))
+
+            def x_at(i):
+                return em.to_f32(em.load(ety, src, em.mul(i, st[3])), self.src_dtype)
+
+            if self.fmt.vdt == "q8_k":
+                self._q8_k(em, x_at, dst, off_d, off_aux, off_corr)
+            else:
+                self._q8_01(em, x_at, dst, off_d, off_aux, off_corr)
+
+    def _q8_01(self, em: Emitter, x_at, dst, off_d, off_aux, off_corr) -> None:
+        b = em.b
+        with em.loop(0, self.K // 32, name="blk") as k:
+            base = em.mul(k, 32)
+            amax = em.var(F32, em.f32(0.0))
+            with em.loop(0, 32, name="amax") as j:
+                ax = em.intrinsic("llvm.fabs.f32", F32, [x_at(em.add(base, j))])
+                em.set(amax, em.fmax(ax, em.get(amax)))
+            am = em.get(amax)
+            d = b.fdiv(am, em.f32(127.0))
+            inv = b.select(b.fcmp_ordered("!=", am, em.f32(0.0)), b.fdiv(em.f32(127.0), am), em.f32(0.0))
+            total = em.var(I32, ir.Constant(I32, 0))
+            with em.loop(0, 32, name="q") as j:
+                v = em.intrinsic("llvm.roundeven.f32", F32, [b.fmul(x_at(em.add(base, j)), inv)])
+                v = em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0))
+                q = b.fptosi(v, I32)
+                em.store(b.trunc(q, I8), dst, em.add(base, j))
+                em.set(total, b.add(em.get(total), q))
+            em.store(b.fpext(b.fptrunc(d, F16), F32), dst, em.add(off_d, em.mul(k, 4)))
+            if self.fmt.vdt == "q8_1":
+                s = b.fmul(b.sitofp(em.get(total), F32), d)
+                em.store(b.fpext(b.fptrunc(s, F16), F32), dst, em.add(off_aux, em.mul(k, 4)))
+            self._corrections(em, dst, k, base, off_corr, em.get(total))
+
+    def _corrections(self, em: Emitter, dst, k, base, off_corr, block_sum) -> None:
+        b = em.b
+        fmt = self.fmt
+        neg = ir.Constant(I32, -fmt.offset)
+        if fmt.corr == "block":
+            em.store(b.mul(block_sum, neg), dst, em.add(off_corr, em.mul(k, 4)))
+        elif fmt.corr == "chunk":
+            with em.loop(0, fmt.chunks, name="chunk") as c:
+                s = ir.Constant(I32, 0)
+                for t in range(4):
+                    s = b.add(s, b.sext(em.load(I8, dst, em.add(base, em.add(em.mul(c, 4), t))), I32))
+                em.store(b.mul(s, neg), dst, em.add(off_corr, em.mul(em.add(em.mul(k, fmt.chunks), c), 4)))
+
+    def _q8_k(self, em: Emitter, x_at, dst, off_d, off_aux, off_corr) -> None:
+        b = em.b
+        bs = self.fmt.bs
+        per = 256 // bs
+        with em.loop(0, self.K // 256, name="sblk") as s:
+            base = em.mul(s, 256)
+            amax, mx = em.var(F32, em.f32(0.0)), em.var(F32, em.f32(0.0))
+            with em.loop(0, 256, name="max") as j:
+                x = x_at(em.add(base, j))
+                ax = em.intrinsic("llvm.fabs.f32", F32, [x])
+                bigger = b.fcmp_ordered("<", em.get(amax), ax)
+                em.set(amax, b.select(bigger, ax, em.get(amax)))
+                em.set(mx, b.select(bigger, x, em.get(mx)))
+            m = em.get(mx)
+            zero = b.fcmp_ordered("==", m, em.f32(0.0))
+            iscale = b.select(zero, em.f32(0.0), b.fdiv(em.f32(-127.0), m))
+            d = b.select(zero, em.f32(0.0), b.fdiv(em.f32(1.0), iscale))
+            with em.loop(0, per, name="sub") as t:
+                k = em.add(em.mul(s, per), t)
+                sub = em.add(base, em.mul(t, bs))
+                total = em.var(I32, ir.Constant(I32, 0))
+                with em.loop(0, bs, name="q") as j:
+                    v = em.intrinsic("llvm.roundeven.f32", F32, [b.fmul(iscale, x_at(em.add(sub, j)))])
+                    v = em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0))
+                    q = b.fptosi(v, I32)
+                    em.store(b.trunc(q, I8), dst, em.add(sub, j))
+                    em.set(total, b.add(em.get(total), q))
+                em.store(d, dst, em.add(off_d, em.mul(k, 4)))
+                em.store(b.fmul(d, b.sitofp(em.get(total), F32)), dst, em.add(off_aux, em.mul(k, 4)))
+                self._corrections(em, dst, k, sub, off_corr, em.get(total))

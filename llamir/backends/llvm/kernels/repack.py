@@ -1,0 +1,217 @@
+"""Quantized weights repacked for int8 dot products across 16 rows at a time.
+
+A weight [M, K] of a GGUF block type becomes groups of 16 rows (M padded with zero rows); each
+(group, block) holds the block's integer values for the 16 rows laid out for vpdpbusd (byte
+4r..4r+3 of a 64-byte vector holds 4 consecutive values of row r: one "chunk"), then the 16
+row scales and, for affine types, the 16 mins. 4-bit values are packed two chunks per vector
+(chunk v in the low nibbles, chunk v + C/2 in the high ones); others take a byte each, made
+unsigned with a fixed offset that the activation side corrects for.
+
+The arithmetic the kernel does per block (see QFormat.order) follows the reference:
+- "block": one integer sum per (row, block), acc = fma(isum, d_w*d_x, acc)  (Q4_0 repacked
+  by ggml; the K-quants, where any order is the reference's);
+- "lanes8": ggml's 8 lanes of 4-value sums, acc_l = fma(d_w*d_x, P_l, acc_l), then
+  ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (Q8_0, Q4_1, Q5_x, Q4_0 with M % 8 != 0).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamir.ir import quants
+
+G = 16   # rows per group: one 16-lane vector of outputs
+
+
+@dataclass(frozen=True)
+class QFormat:
+    dtype: str          # the GGUF type repacked
+    bs: int             # elements per block (a K-quant's sub-block)
+    packing: str        # "nib" | "byte"
+    scale: str          # "f16" | "f32"
+    min: str            # "" | "f16" | "f32": added term min_w * aux_x per block
+    order: str          # "block" | "lanes8"
+    corr: str           # "" | "chunk" | "block": integer correction -offset * sum(x) per chunk/block
+    offset: int         # the value offset the correction undoes
+    vdt: str            # activation type: "q8_0" | "q8_1" | "q8_k"
+
+    @property
+    def chunks(self) -> int:
+        return self.bs // 4
+
+    @property
+    def quant_bytes(self) -> int:
+        return G * self.bs // (2 if self.packing == "nib" else 1)
+
+    @property
+    def scale_bytes(self) -> int:
+        return G * (2 if self.scale == "f16" else 4)
+
+    @property
+    def min_bytes(self) -> int:
+        return 0 if not self.min else G * (2 if self.min == "f16" else 4)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one (group, block)."""
+        return self.quant_bytes + self.scale_bytes + self.min_bytes
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}:{self.order}"
+
+
+def weight_format(dtype: str, m_rows: int) -> QFormat | None:
+    """The packed format of a weight type (None: not supported by the packed kernels)."""
+    if dtype == "q4_0":
+        if m_rows % 8 == 0:   # ggml repacks Q4_0 (q4_0_8x8): one integer sum per block
+            return QFormat("q4_0", 32, "nib", "f16", "", "block", "block", 8, "q8_0")
+        return QFormat("q4_0", 32, "nib", "f16", "", "lanes8", "chunk", 8, "q8_0")
+    return _FORMATS.get(dtype)
+
+
+_FORMATS = {
+    "q8_0": QFormat("q8_0", 32, "byte", "f16", "", "lanes8", "chunk", 128, "q8_0"),
+    "q4_1": QFormat("q4_1", 32, "nib", "f16", "f16", "lanes8", "", 0, "q8_1"),
+    "q5_0": QFormat("q5_0", 32, "byte", "f16", "", "lanes8", "chunk", 16, "q8_0"),
+    "q5_1": QFormat("q5_1", 32, "byte", "f16", "f16", "lanes8", "", 0, "q8_1"),
+    "q4_k": QFormat("q4_k", 32, "nib", "f32", "f32", "block", "", 0, "q8_k"),
+    "q5_k": QFormat("q5_k", 32, "byte", "f32", "f32", "block", "", 0, "q8_k"),
+    "q6_k": QFormat("q6_k", 16, "byte", "f32", "", "block", "block", 32, "q8_k"),
+    "q2_k": QFormat("q2_k", 16, "byte", "f32", "f32", "block", "", 0, "q8_k"),
+    "q3_k": QFormat("q3_k", 16, "byte", "f32", "", "block", "block", 4, "q8_k"),
+}
+
+
+# -- integer values, scales and mins of each type ([M, nb, bs] uint8, [M, nb], [M, nb]) ------------
+def _f16_bits(blocks: np.ndarray, off: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., off:off + 2]).view(np.uint16)[..., 0]
+
+
+def _f16_f32(blocks: np.ndarray, off: int) -> np.ndarray:
+    return _f16_bits(blocks, off).view(np.float16).astype(np.float32)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high32(qh: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(qh).view("<u4")[..., 0]
+    return ((bits[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _split(raw: np.ndarray, fmt: QFormat):
+    m = raw.shape[0]
+    if fmt.dtype in ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1"):
+        blocks = raw.reshape(m, -1, {"q4_0": 18, "q8_0": 34, "q4_1": 20, "q5_0": 22, "q5_1": 24}[fmt.dtype])
+        if fmt.dtype == "q4_0":
+            return _nibbles32(blocks[..., 2:18]), _f16_bits(blocks, 0), None
+        if fmt.dtype == "q8_0":
+            return (blocks[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16_bits(blocks, 0), None
+        if fmt.dtype == "q4_1":
+            return _nibbles32(blocks[..., 4:20]), _f16_bits(blocks, 0), _f16_bits(blocks, 2)
+        if fmt.dtype == "q5_0":
+            return _nibbles32(blocks[..., 6:22]) | (_high32(blocks[..., 2:6]) << 4), _f16_bits(blocks, 0), None
+        return _nibbles32(blocks[..., 8:24]) | (_high32(blocks[..., 4:8]) << 4), _f16_bits(blocks, 0), \
+            _f16_bits(blocks, 2)
+    return _split_k(raw, fmt)
+
+
+def _split_k(raw: np.ndarray, fmt: QFormat):
+    """K-quants: integer values and f32 sub-block scales (and negated mins) as the reference's
+    dequantisation computes them (d * sc in float32)."""
+    m = raw.shape[0]
+    ts = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "q2_k": 84, "q3_k": 110}[fmt.dtype]
+    b = raw.reshape(-1, ts)
+    f32 = np.float32
+    if fmt.dtype in ("q4_k", "q5_k"):
+        sc, mn = quants.k4_scales_mins(b[:, 4:16])
+        d1 = _f16_f32(b, 0)[:, None] * sc.astype(f32)
+        m1 = _f16_f32(b, 2)[:, None] * mn.astype(f32)
+        qs = 16 if fmt.dtype == "q4_k" else 48
+        q = quants._nibble_pairs(b[:, qs:qs + 128])
+        if fmt.dtype == "q5_k":
+            high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            q = q + 16 * high
+        return q.reshape(m, -1, 32).astype(np.uint8), d1.reshape(m, -1), (-m1).reshape(m, -1)
+    if fmt.dtype == "q6_k":
+        ql = b[:, 0:128].reshape(-1, 2, 2, 32)
+        low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
+        qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (low | (qh << 4)).reshape(-1, 16, 16)
+        scale = _f16_f32(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(f32)
+        return q.reshape(m, -1, 16).astype(np.uint8), scale.reshape(m, -1), None
+    if fmt.dtype == "q2_k":
+        sc = b[:, 0:16]
+        dl = _f16_f32(b, 80)[:, None] * (sc & 0xF).astype(f32)
+        ml = _f16_f32(b, 82)[:, None] * (sc >> 4).astype(f32)
+        q = quants._crumbs(b[:, 16:80])
+        return q.reshape(m, -1, 16).astype(np.uint8), dl.reshape(m, -1), (-ml).reshape(m, -1)
+    dl = _f16_f32(b, 108)[:, None] * (quants._q3_k_scales(b[:, 96:108]) - 32).astype(f32)
+    bits = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    hm = ((b[:, None, 0:32] >> bits) & 1).reshape(-1, 16, 16)
+    q = quants._crumbs(b[:, 32:96]) + 4 * hm           # value q - 4: crumb - 4 * (1 - hbit)
+    return q.reshape(m, -1, 16).astype(np.uint8), dl.reshape(m, -1), None
+
+
+def repack(raw: np.ndarray, fmt: QFormat) -> np.ndarray:
+    """uint8 [n_groups, nb, block_bytes] from a weight's bytes [M, row_bytes]."""
+    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q, scale, mins = _split(raw, fmt)
+    m, nb, bs = q.shape
+    groups = -(-m // G)
+    pad = groups * G - m
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, nb, bs), np.uint8)])
+        scale = np.concatenate([scale, np.zeros((pad, nb), scale.dtype)])
+        mins = None if mins is None else np.concatenate([mins, np.zeros((pad, nb), mins.dtype)])
+    q = q.reshape(groups, G, nb, fmt.chunks, 4).transpose(0, 2, 3, 1, 4)       # [g, nb, C, 16, 4]
+    if fmt.packing == "nib":
+        half = fmt.chunks // 2
+        q = q[:, :, :half] | (q[:, :, half:] << 4)
+    parts = [q.reshape(groups, nb, -1)]
+    for arr, kind in ((scale, fmt.scale), (mins, fmt.min)):
+        if arr is None or not kind:
+            continue
+        arr = arr.reshape(groups, G, nb).transpose(0, 2, 1)
+        arr = arr.astype(np.uint16) if kind == "f16" and arr.dtype == np.uint16 else arr.astype(np.float32)
+        parts.append(np.ascontiguousarray(arr).view(np.uint8).reshape(groups, nb, -1))
+    out = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    assert out.shape[-1] == fmt.block_bytes, (out.shape, fmt)
+    return out
+
+
+class PackedWeights:
+    """Process-wide cache of repacked weights by (buffer address, shape, format). An entry lives
+    as long as the array it was packed from (a weak reference), so a freed model's packed copy is
+    dropped and a new array at the same address is never mistaken for the old one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cache: dict[tuple, tuple] = {}
+
+    def get(self, raw: np.ndarray, fmt: QFormat) -> np.ndarray:
+        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, fmt)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0]() is not None:
+                return hit[1]
+        packed = repack(raw, fmt)
+        with self._lock:
+            for k in [k for k, (ref, _) in self._cache.items() if ref() is None]:
+                del self._cache[k]
+            self._cache[key] = (weakref.ref(raw), packed)
+        return packed
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+
+PACKED = PackedWeights()
