@@ -5,12 +5,15 @@ from the frame (an i64 array the executable fills per call), evaluates the run-t
 expressions once, and calls the kernels stage by stage with a barrier between stages.
 `i64 llamir_arena_size(ptr frame)` gives the arena bytes the dims in the frame need.
 
-Frame slots: 0 arena, 1 error code, 2 error detail, 3 error site, 4 thread count, then the dims,
-the leaf pointers and the output pointers (see FrameLayout).
+Frame slots: 0 arena, 1 error code, 2 error detail, 3 error site, 4 thread count, 5 a profile
+buffer (or 0), then the dims, the leaf pointers and the output pointers (see FrameLayout).
+With a profile buffer, thread 0 records the cycle counter at the start, after each step and after
+each barrier: [start, step 0.., barrier 1..].
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import llvmlite.ir as ir
@@ -21,8 +24,8 @@ from llamir.backends.llvm.plan import Buffer, Kernel, Plan, Ref
 from llamir.backends.llvm.runtime import SPLIT_FN_TYPE, emit_barrier
 from llamir.backends.llvm.target import Target
 
-ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS = 0, 1, 2, 3, 4
-FIRST_DIM = 5
+ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS, PROFILE = 0, 1, 2, 3, 4, 5
+FIRST_DIM = 6
 ENTRY, ARENA_SIZE = "llamir_split", "llamir_arena_size"
 
 
@@ -72,7 +75,33 @@ def report_error(em: Emitter, frame: ir.Value, code: int, detail: ir.Value, site
     em.store(em.i64(site), frame, ERR_SITE * 8, align=8)
 
 
+def kernel_symbol(kernel: Kernel) -> str:
+    """A stable symbol for a kernel: its class and a hash of its key (its static configuration)."""
+    digest = hashlib.sha256(repr(kernel.key()).encode()).hexdigest()[:24]
+    return f"llamir_{type(kernel).__name__}_{digest}"
+
+
+def kernel_module(kernel: Kernel, target: Target) -> ir.Module:
+    """A module defining one kernel function (external, named by kernel_symbol)."""
+    module = ir.Module(kernel_symbol(kernel))
+    module.triple = target.triple
+    n_rt = sum(1 for p in kernel.pattern if p is None)
+    fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
+    fn = ir.Function(module, fnty, kernel_symbol(kernel))
+    args = list(fn.args)
+    em = Emitter(module, fn, target)
+    rt = iter(args[2 + kernel.n_ptrs:-1])
+    ints: list[Val] = [p if p is not None else next(rt) for p in kernel.pattern]
+    kargs = KernelArgs(em.b.zext(args[0], I64), em.b.zext(args[1], I64), args[2:2 + kernel.n_ptrs], ints,
+                       args[-1])
+    kernel.emit(em, kargs)
+    em.finish()
+    return module
+
+
 class ModuleBuilder:
+    """The entry module of a split: declarations of its kernels, the entry, the arena size."""
+
     def __init__(self, plan: Plan, target: Target, name: str = "split"):
         self.plan = plan
         self.target = target
@@ -86,25 +115,20 @@ class ModuleBuilder:
         self._arena_size()
         return self.module
 
-    # -- kernels ---------------------------------------------------------------------------------
+    def distinct_kernels(self) -> list[Kernel]:
+        """One kernel per distinct key, in first-use order."""
+        seen: dict[tuple, Kernel] = {}
+        for step in self.plan.steps:
+            seen.setdefault(step.kernel.key(), step.kernel)
+        return list(seen.values())
+
     def kernel_fn(self, kernel: Kernel) -> ir.Function:
         key = kernel.key()
         fn = self.kernels.get(key)
-        if fn is not None:
-            return fn
-        n_rt = sum(1 for p in kernel.pattern if p is None)
-        fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
-        fn = ir.Function(self.module, fnty, f"k{len(self.kernels)}_{type(kernel).__name__}")
-        fn.linkage = "internal"
-        args = list(fn.args)
-        em = Emitter(self.module, fn, self.target)
-        rt = iter(args[2 + kernel.n_ptrs:-1])
-        ints: list[Val] = [p if p is not None else next(rt) for p in kernel.pattern]
-        kargs = KernelArgs(em.b.zext(args[0], I64), em.b.zext(args[1], I64), args[2:2 + kernel.n_ptrs], ints,
-                           args[-1])
-        kernel.emit(em, kargs)
-        em.finish()
-        self.kernels[key] = fn
+        if fn is None:
+            n_rt = sum(1 for p in kernel.pattern if p is None)
+            fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
+            fn = self.kernels[key] = ir.Function(self.module, fnty, kernel_symbol(kernel))
         return fn
 
     # -- the entry -------------------------------------------------------------------------------
@@ -116,15 +140,29 @@ class ModuleBuilder:
         values: dict = {}
         bases: dict[int, ir.Value] = {}
         ith64 = em.b.zext(ith, I64)
+        b = em.b
+        prof = em.load(PTR, frame, PROFILE * 8, align=8)
+        recording = b.and_(b.icmp_unsigned("!=", b.ptrtoint(prof, I64), ir.Constant(I64, 0)),
+                           b.icmp_signed("==", ith, ir.Constant(I32, 0)))
+        n_steps = len(self.plan.steps)
+
+        def stamp(slot: int) -> None:
+            with em.if_(recording):
+                em.store(em.intrinsic("llvm.readcyclecounter", I64, []), prof, slot * 8, align=8)
+
+        stamp(0)
+        index = {id(s): i for i, s in enumerate(self.plan.steps)}
         for stage in range(self.plan.n_stages):
             if stage:
-                em.b.call(barrier, [pool, nth])
+                b.call(barrier, [pool, nth])
+                stamp(1 + n_steps + stage)
             for step in (s for s in self.plan.steps if s.stage == stage):
                 kfn = self.kernel_fn(step.kernel)
                 ptrs = [self._pointer(em, frame, p, ith64, values, bases) for p in step.ptrs]
                 rt = [em.i64(self._expr(em, frame, v, values))
                       for v, p in zip(step.kernel.ints, step.kernel.pattern, strict=True) if p is None]
-                em.b.call(kfn, [ith, nth] + ptrs + rt + [frame])
+                b.call(kfn, [ith, nth] + ptrs + rt + [frame])
+                stamp(1 + index[id(step)])
         em.finish()
 
     def _expr(self, em: Emitter, frame: ir.Value, e, values: dict) -> Val:

@@ -12,11 +12,11 @@ class CodegenError(RuntimeError):
     """LLVM rejected a module this backend generated (a bug in a lowering; names the module)."""
 
 
-def parse_and_verify(module: ir.Module) -> llvm.ModuleRef:
+def parse_and_verify(module: ir.Module, context=None) -> llvm.ModuleRef:
     init_llvm()
     text = str(module)
     try:
-        ref = llvm.parse_assembly(text)
+        ref = llvm.parse_assembly(text, context=context)
         ref.verify()
     except RuntimeError as err:
         raise CodegenError(f"module {module.name}: {err}") from None
@@ -24,8 +24,10 @@ def parse_and_verify(module: ir.Module) -> llvm.ModuleRef:
 
 
 def optimize_and_emit(module: ir.Module, target: Target, speed_level: int = 3) -> bytes:
-    """Object code for `module` (which is verified first, and optimised at `speed_level`)."""
-    ref = parse_and_verify(module)
+    """Object code for `module` (which is verified first, and optimised at `speed_level`). Each
+    call uses its own LLVM context, so calls may run in parallel threads (llvmlite releases the
+    GIL inside LLVM)."""
+    ref = parse_and_verify(module, llvm.create_context())
     machine = target.machine()
     ref.triple = target.triple
     ref.data_layout = str(machine.target_data)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamir.backends.base import BackendError
-from llamir.backends.llvm.codegen import ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS, FrameLayout
+from llamir.backends.llvm.codegen import ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS, PROFILE, FrameLayout
 from llamir.backends.llvm.kernels.repack import PACKED
 from llamir.backends.llvm.plan import Plan, Ref
 from llamir.backends.llvm.runtime import ThreadPool
@@ -168,6 +168,23 @@ class CompiledSplit:
             where = self.plan.sites[site] if 0 <= site < len(self.plan.sites) else "?"
             raise BackendError(ERROR_TEXT.get(code, "error {detail}").format(detail=detail) + f" ({where})")
 
+    # -- profiling ---------------------------------------------------------------------------------
+    def profile(self, leaf_values, bindings, runs: int = 10) -> StepProfile:
+        """Run `runs` times with thread 0 stamping the cycle counter around every step and barrier;
+        returns the median seconds per step and per barrier (see StepProfile)."""
+        n_steps = len(self.plan.steps)
+        buf = np.zeros(2 + n_steps + self.plan.n_stages, dtype=np.int64)
+        samples = []
+        try:
+            for _ in range(runs):
+                buf[:] = 0
+                self.frame[PROFILE] = buf.ctypes.data
+                self(leaf_values, bindings)
+                samples.append(buf.copy())
+        finally:
+            self.frame[PROFILE] = 0
+        return StepProfile.of(self.plan, np.median(np.stack(samples).astype(np.float64), axis=0))
+
     # -- observation -----------------------------------------------------------------------------
     def run_observed(self, leaf_values, bindings, observe) -> dict[str, np.ndarray]:
         """Run everything (this variant keeps every value), then show the named values in order."""
@@ -207,6 +224,55 @@ class CompiledSplit:
                  "typestr": storage_dtype(ref.dtype).str, "version": 3}
         holder = type("_View", (), {"__array_interface__": iface, "keep": owner})()
         return np.array(np.asarray(holder), copy=True)
+
+
+@dataclass
+class StepProfile:
+    """Where one run's time goes, seen from thread 0: seconds per step (its kernel and share of
+    the work) and per barrier (waiting for the other threads)."""
+
+    steps: list[tuple[str, float]]     # (kernel class, seconds) in step order
+    barriers: float
+    total: float
+
+    @classmethod
+    def of(cls, plan: Plan, stamps: np.ndarray) -> StepProfile:
+        hz = tsc_hz()
+        n = len(plan.steps)
+        steps, barriers = [], 0.0
+        prev = stamps[0]
+        for i, step in enumerate(plan.steps):
+            if i and step.stage != plan.steps[i - 1].stage:
+                after = stamps[1 + n + step.stage]
+                barriers += (after - prev) / hz
+                prev = after
+            steps.append((type(step.kernel).__name__, (stamps[1 + i] - prev) / hz))
+            prev = stamps[1 + i]
+        return cls(steps, barriers, (prev - stamps[0]) / hz)
+
+    def by_kernel(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, secs in self.steps:
+            out[name] = out.get(name, 0.0) + secs
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+_TSC_HZ: float | None = None
+
+
+def tsc_hz() -> float:
+    """The cycle counter's rate, measured once against perf_counter."""
+    global _TSC_HZ
+    if _TSC_HZ is None:
+        import time
+
+        from llamir.backends.llvm.runtime import read_cycles
+
+        c0, t0 = read_cycles(), time.perf_counter()
+        time.sleep(0.05)
+        c1, t1 = read_cycles(), time.perf_counter()
+        _TSC_HZ = (c1 - c0) / (t1 - t0)
+    return _TSC_HZ
 
 
 def _ev(e, bindings, n_threads: int) -> int:

@@ -29,6 +29,7 @@ from llamir.backends.llvm.target import Target, host_target
 GEN, PENDING, BAR_COUNT, BAR_PASSED, FN, FRAME, NTH, STOP, SLEEPERS = 0, 64, 128, 192, 256, 264, 272, 276, 320
 STATE_BYTES = 384
 SPIN_ITERATIONS = 1 << 14       # ~1 ms of pause loops before a worker sleeps
+YIELD_AFTER = 1 << 10           # pause loops before a barrier or join also yields the CPU
 SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129
 
 SPLIT_FN_TYPE = ir.FunctionType(VOID, [PTR, I32, I32, PTR])
@@ -41,6 +42,17 @@ def _field(em: Emitter, state: ir.Value, offset: int) -> ir.Value:
 def _pause(em: Emitter) -> None:
     if em.target.triple.startswith("x86_64"):
         em.intrinsic("llvm.x86.sse2.pause", VOID, [])
+
+
+def _spin_wait(em: Emitter, spins: ir.Value) -> None:
+    """One idle step of a waiting thread: pause, and once it has waited YIELD_AFTER steps, also
+    sched_yield, so that a waiter on an oversubscribed machine lets the thread it waits for run."""
+    b = em.b
+    n = em.get(spins)
+    _pause(em)
+    with em.if_(b.icmp_unsigned(">=", n, ir.Constant(I32, YIELD_AFTER))):
+        b.call(em.declare("sched_yield", I32, []), [])
+    em.set(spins, b.add(n, ir.Constant(I32, 1)))
 
 
 def _futex(em: Emitter, addr: ir.Value, op: int, value: ir.Value) -> None:
@@ -70,6 +82,7 @@ def emit_barrier(module: ir.Module, target: Target) -> ir.Function:
                 b.atomic_rmw("xchg", count_ptr, ir.Constant(I32, 0), "monotonic")
                 b.atomic_rmw("add", passed_ptr, ir.Constant(I32, 1), "seq_cst")
             with otherwise:
+                spins = em.var(I32, ir.Constant(I32, 0))
                 head = fn.append_basic_block("wait")
                 done = fn.append_basic_block("passed")
                 b.branch(head)
@@ -78,7 +91,7 @@ def emit_barrier(module: ir.Module, target: Target) -> ir.Function:
                 spin = fn.append_basic_block("spin")
                 b.cbranch(b.icmp_signed("==", now, passed), spin, done)
                 b.position_at_end(spin)
-                _pause(em)
+                _spin_wait(em, spins)
                 b.branch(head)
                 b.position_at_end(done)
     em.finish()
@@ -157,6 +170,7 @@ def _emit_run(module: ir.Module, target: Target) -> None:
     with em.if_(b.icmp_signed("!=", sleepers, ir.Constant(I32, 0))):
         _futex(em, gen_ptr, FUTEX_WAKE_PRIVATE, ir.Constant(I32, 0x7FFFFFFF))
     _call_split(em, state, ir.Constant(I32, 0))
+    spins = em.var(I32, ir.Constant(I32, 0))
     head = fn.append_basic_block("join")
     done = fn.append_basic_block("joined")
     spin = fn.append_basic_block("spin")
@@ -165,7 +179,7 @@ def _emit_run(module: ir.Module, target: Target) -> None:
     pending = b.load_atomic(_field(em, state, PENDING), "acquire", 4, typ=I32)
     b.cbranch(b.icmp_signed("==", pending, ir.Constant(I32, 0)), done, spin)
     b.position_at_end(spin)
-    _pause(em)
+    _spin_wait(em, spins)
     b.branch(head)
     b.position_at_end(done)
     em.finish()
@@ -176,6 +190,10 @@ def runtime_module(target: Target) -> ir.Module:
     module.triple = target.triple
     _emit_worker(module, target)
     _emit_run(module, target)
+    cycles = ir.Function(module, ir.FunctionType(I64, []), "llamir_cycles")
+    em = Emitter(module, cycles, target)
+    em.b.ret(em.intrinsic("llvm.readcyclecounter", I64, []))
+    em.finish()
     return module
 
 
@@ -189,12 +207,17 @@ def _lljit(target: Target):
     return llvm.create_lljit_compiler(target.machine())
 
 
-def load_object(target: Target, obj: bytes, exports: list[str]):
+def load_object(target: Target, objects: bytes | list[bytes], exports: list[str]):
     """Link object code into the process; returns (tracker, {name: address}). The code stays
     loaded while the tracker is referenced."""
+    if isinstance(objects, bytes):
+        objects = [objects]
     with _jit_lock:
         name = f"llamir_{next(_lib_counter)}"
-        builder = llvm.JITLibraryBuilder().add_object_img(obj).add_current_process()
+        builder = llvm.JITLibraryBuilder()
+        for obj in objects:
+            builder.add_object_img(obj)
+        builder.add_current_process()
         for e in exports:
             builder.export_symbol(e)
         tracker = builder.link(_lljit(target), name)
@@ -206,11 +229,18 @@ def _runtime_library(target: Target):
     from llamir.backends.llvm.compiler import optimize_and_emit
 
     obj = optimize_and_emit(runtime_module(target), target)
-    return load_object(target, obj, ["llamir_pool_worker", "llamir_pool_run"])
+    return load_object(target, obj, ["llamir_pool_worker", "llamir_pool_run", "llamir_cycles"])
+
+
+def read_cycles() -> int:
+    """The CPU's cycle counter (rdtsc), for profiles."""
+    _, addrs = _runtime_library(host_target())
+    return ctypes.CFUNCTYPE(ctypes.c_int64)(addrs["llamir_cycles"])()
 
 
 _RUN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32)
 _WORKER = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32)
+_SPLIT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p)
 
 
 class ThreadPool:
@@ -239,6 +269,9 @@ class ThreadPool:
         """Run `fn_addr` (a compiled split) on `frame_ptr` with all threads; returns when done.
         The caller holds `lock` (one run at a time per pool)."""
         nth = self.n_threads if n_threads is None else max(1, min(n_threads, self.n_threads))
+        if nth == 1:   # no workers to wake: run the split on this thread alone
+            _SPLIT(fn_addr)(frame_ptr, 0, 1, self._state_ptr)
+            return
         self._run(self._state_ptr, fn_addr, frame_ptr, nth, len(self._threads))
 
     def close(self) -> None:

@@ -225,3 +225,25 @@ def test_flash_attn(check, kv, max_bias, softcap, sinks, T):
     # the reference accumulates V in numpy (np.exp, unfused products); ggml (and this kernel) use
     # glibc's expf and fma: NMSE far below the f16 KV cache's own error
     check(b.graph, values, {"T": T, "n": n}, tol=1e-8)
+
+
+@pytest.mark.parametrize("kv", [F16, F32])
+@pytest.mark.parametrize("softcap,sinks", [(0.0, False), (20.0, True)])
+def test_flash_attn_tiled_prompt(check, kv, softcap, sinks):
+    """64+ query rows take ggml's tiled path (f32 accumulation, where the reference keeps the
+    one-row f16 accumulator): equal to the reference up to f16 rounding of V sums."""
+    T, n = 70, 150
+    b = GraphBuilder("g", dims=["T", "n"])
+    q = b.input("q", [1, 4, "T", 64], F32)
+    k, v = b.input("k", [1, 2, "n", 64], kv), b.input("v", [1, 2, "n", 64], kv)
+    m = b.input("m", [1, 1, "T", "n"], F16)
+    s = b.input("s", [4], F32) if sinks else None
+    b.output("y", b.flash_attn_ext(q, k, v, m, 0.125, logit_softcap=softcap, sinks=s))
+    mask = np.zeros((1, 1, T, n), np.float16)
+    for t in range(T):
+        mask[0, 0, t, 80 + t:] = -np.inf          # causal over a 80-cell history
+    values = {"q": _f32((1, 4, T, 64)), "k": _f32((1, 2, n, 64)).astype(kv.np_dtype),
+              "v": _f32((1, 2, n, 64)).astype(kv.np_dtype), "m": mask}
+    if sinks:
+        values["s"] = _f32((4,))
+    check(b.graph, values, {"T": T, "n": n}, tol=1e-5 if kv == F16 else 1e-11)

@@ -1,10 +1,15 @@
-"""flash_attn_ext: online-softmax attention per query row, as ggml's CPU kernel computes it
-(ggml_compute_forward_flash_attn_ext_f16_one_chunk).
+"""flash_attn_ext as ggml's CPU backend computes it, in its two forms.
 
-Per row (stream s, head h, token t): q is rounded to K's type (f16) for the scores, each cell
-whose mask is -inf is skipped, the running max M and sum S are updated with libm's expf, and
-V accumulates in f16 when V is f16 (vec_scale_f16 / vec_mad_f16), in f32 otherwise. Sinks join
-at the end; y[s, t, h, :] = VKQ / S (ggml's permuted output).
+- Fewer than 64 query rows (token generation, small batches): online softmax cell by cell
+  (ggml_compute_forward_flash_attn_ext_f16_one_chunk). q is rounded to K's type for the
+  scores (ggml_vec_dot_f16/f32), cells whose mask is -inf are skipped, M and S are updated with
+  glibc's expf, V accumulates in f16 when V is f16 (vec_scale_f16 / vec_mad_f16). Here the heads
+  of one token are walked together, cell by cell, so the KV cache is read row by row.
+- 64 rows or more (prompts): ggml's tiled kernel (ggml_compute_forward_flash_attn_ext_tiled):
+  64-query x 64-cell tiles, q in f32, scores and V products as sequential fma chains (simd_gemm),
+  each tile's softmax with ggml_vec_soft_max_f32, all in f32.
+
+y[s, t, h, :] = VKQ / S (ggml's permuted output); sinks join at the end.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from llamir.backends.llvm import vmath
-from llamir.backends.llvm.emit import F32, F64, Emitter, storage_type, vec
+from llamir.backends.llvm.emit import F32, F64, I1, Emitter, storage_type, vec
 from llamir.backends.llvm.kernels.rows import _const_table
 from llamir.backends.llvm.plan import Kernel, Ref
 
 LANES = 16
+TILE = 64          # GGML_FA_TILE_Q and GGML_FA_TILE_KV
 
 
 def vec_dot(em: Emitter, a_ptr, a_dtype: str, b_ptr, b_dtype: str, K, a_step: int, b_step: int):
@@ -55,6 +61,37 @@ def vec_dot(em: Emitter, a_ptr, a_dtype: str, b_ptr, b_dtype: str, K, a_step: in
     return b.fptrunc(em.get(acc), F32)
 
 
+def chunked(em: Emitter, n, body) -> None:
+    """body(i, 16) for whole 16-lane chunks of range(n), then body(i, 0) for the tail."""
+    chunks = em.mul(em.div(n, LANES), LANES)
+    with em.loop(0, chunks, LANES, name="v16") as i:
+        body(i, LANES)
+    with em.loop(chunks, n, name="v1") as i:
+        body(i, 0)
+
+
+def _size(dt: str) -> int:
+    return {"f32": 4, "f16": 2, "bf16": 2}[dt]
+
+
+def _vload(em: Emitter, ptr, i, dt: str, lanes: int):
+    ty = storage_type(dt) if not lanes else vec(storage_type(dt), lanes)
+    return em.to_f32(em.load(ty, ptr, em.mul(i, _size(dt))), dt)
+
+
+def _vstore(em: Emitter, value, ptr, i, dt: str) -> None:
+    em.store(em.from_f32(value, dt), ptr, em.mul(i, _size(dt)))
+
+
+def scratch_bytes(H, DK, DV) -> tuple:
+    """Per-thread scratch: (row path bytes, tiled path bytes) as expressions of the head sizes."""
+    from llamir.backends.llvm import expr as E
+
+    rows = E.mul(H, E.add(E.mul(DK, 4), E.add(E.mul(DV, 4), 16)))
+    tiled = E.mul(4, E.add(E.mul(TILE, E.add(E.mul(DK, 2), E.mul(DV, 3))), TILE * TILE * 2 + 2 * TILE))
+    return rows, tiled
+
+
 class FlashAttn(Kernel):
     """y [S, T, H, dv] from q [S, H, T, dk], k [S, Hkv, n, dk], v [S, Hkv, n, dv], mask, sinks."""
 
@@ -69,7 +106,7 @@ class FlashAttn(Kernel):
             + [v.shape[3]] + list(v.strides[:3]) + list(y.strides[:3])
         if mask is not None:
             m = mask.padded()
-            ints += list(m.shape[:2]) + list(m.strides[:3])
+            ints += list(m.shape[:2]) + list(m.strides)
         self.n_ptrs = 5 + int(self.has_mask) + int(self.has_sinks)
         super().__init__(ints)
 
@@ -77,114 +114,321 @@ class FlashAttn(Kernel):
         return (self.dtypes, self.scale, self.softcap, self.alibi, self.has_mask, self.has_sinks)
 
     def emit(self, em: Emitter, a) -> None:
-        b = em.b
         ints = a.ints
-        S_, H, T, DK = ints[0:4]
-        qs = ints[4:7]
-        hkv, n_kv = ints[7:9]
-        ks = ints[9:12]
-        DV = ints[12]
-        vs_ = ints[13:16]
-        ys = ints[16:19]
+        d = {"S": ints[0], "H": ints[1], "T": ints[2], "DK": ints[3], "qs": ints[4:7], "hkv": ints[7],
+             "n_kv": ints[8], "ks": ints[9:12], "DV": ints[12], "vs": ints[13:16], "ys": ints[16:19]}
         if self.has_mask:
-            msh, mst = ints[19:21], ints[21:24]
-        y_ptr, q_ptr, k_ptr, v_ptr, scratch = a.ptrs[:5]
-        mask_ptr = a.ptrs[5] if self.has_mask else None
-        sinks_ptr = a.ptrs[-1] if self.has_sinks else None
-        q_dt, k_dt, v_dt, m_dt = self.dtypes
-        rows = em.mul(em.mul(S_, H), T)
-        r0, r1 = em.split(rows, a.ith, a.nth)
-        f16_acc = v_dt == "f16"
+            d["msh"], d["mst"] = ints[19:21], ints[21:25]
+        self.p = {"y": a.ptrs[0], "q": a.ptrs[1], "k": a.ptrs[2], "v": a.ptrs[3], "scratch": a.ptrs[4],
+                  "mask": a.ptrs[5] if self.has_mask else None, "sinks": a.ptrs[-1] if self.has_sinks else None}
+        self.d = d
+        _, k_dt, v_dt, _ = self.dtypes
+        if k_dt == v_dt and k_dt in ("f16", "f32"):
+            with em.if_else(em.icmp(">=", d["T"], TILE)) as (then, otherwise):
+                with then:
+                    self._tiled(em, a)
+                with otherwise:
+                    self._rows(em, a)
+        else:
+            self._rows(em, a)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _slope(self, em: Emitter, h):
+        if self.alibi is None:
+            return em.f32(1.0)
+        return em.load(F32, _const_table(em, "alibi", self.alibi), em.mul(h, 4))
+
+    def _mask_row(self, em: Emitter, s, h, t):
+        d = self.d
+        msh, mst = d["msh"], d["mst"]
+        off = em.add(em.add(em.mul(em.rem(s, msh[0]), mst[0]), em.mul(em.rem(h, msh[1]), mst[1])), em.mul(t, mst[2]))
+        return em.gep(self.p["mask"], off)
+
+    def _mask_value(self, em: Emitter, mrow, c, slope):
+        m_dt = self.dtypes[3]
+        x = em.to_f32(em.load(storage_type(m_dt), mrow, em.mul(c, self.d["mst"][3])), m_dt)
+        return em.b.fmul(slope, x)
+
+    def _kv_row(self, em: Emitter, which: str, s, h, c):
+        d = self.d
+        st = d["ks"] if which == "k" else d["vs"]
+        kh = em.div(h, em.div(d["H"], d["hkv"]))
+        return em.gep(self.p[which], em.add(em.add(em.mul(s, st[0]), em.mul(kh, st[1])), em.mul(c, st[2])))
+
+    def _finish_row(self, em: Emitter, acc_ptr, acc_dt: str, M, S, s, t, h) -> None:
+        """Sinks, 1/S, store y[s, t, h, :] (f32)."""
+        b, d = em.b, self.d
+        total, ms = S, None
+        if self.p["sinks"] is not None:
+            sk = em.load(F32, self.p["sinks"], em.mul(h, 4))
+            big = b.fcmp_ordered(">", sk, M)
+            ms = b.select(big, vmath.expf(em, b.fsub(M, sk)), em.f32(1.0))
+            vsk = b.select(big, em.f32(1.0), vmath.expf(em, b.fsub(sk, M)))
+            total = b.fadd(b.fmul(total, ms), vsk)
+        inv = b.select(b.fcmp_ordered("==", total, em.f32(0.0)), em.f32(0.0), b.fdiv(em.f32(1.0), total))
+        ys = d["ys"]
+        yrow = em.gep(self.p["y"], em.add(em.add(em.mul(s, ys[0]), em.mul(t, ys[1])), em.mul(h, ys[2])))
+
+        def body(i, lanes):
+            x = _vload(em, acc_ptr, i, acc_dt, lanes)
+            if ms is not None:
+                x = b.fmul(x, em.splat(ms, lanes) if lanes else ms)
+            _vstore(em, b.fmul(x, em.splat(inv, lanes) if lanes else inv), yrow, i, "f32")
+
+        chunked(em, d["DV"], body)
+
+    # -- fewer than 64 rows: the heads of a token together, cell by cell ----------------------------------
+    def _rows(self, em: Emitter, a) -> None:
+        b, d = em.b, self.d
+        _, k_dt, v_dt, _ = self.dtypes
+        S_, H, T, DK, DV = d["S"], d["H"], d["T"], d["DK"], d["DV"]
+        acc_dt = "f16" if v_dt == "f16" else "f32"
         qv_dt = "f16" if k_dt == "f16" else "f32"
-        acc_size = 2 if f16_acc else 4
-        with em.loop(r0, r1, name="row") as r:
-            t = em.rem(r, T)
-            h = em.rem(em.div(r, T), H)
-            s = em.div(em.div(r, T), H)
-            kh = em.div(h, em.div(H, hkv))
-            qrow = em.gep(q_ptr, em.add(em.add(em.mul(s, qs[0]), em.mul(h, qs[1])), em.mul(t, qs[2])))
-            krows = em.gep(k_ptr, em.add(em.mul(s, ks[0]), em.mul(kh, ks[1])))
-            vrows = em.gep(v_ptr, em.add(em.mul(s, vs_[0]), em.mul(kh, vs_[1])))
-            # scratch: q as the vec_dot type (f16 or f32), then the VKQ accumulator
-            q_conv = scratch
-            acc_ptr = em.gep(scratch, em.mul(DK, 4))
-            with em.loop(0, DK, name="qc") as i:
-                x = em.to_f32(em.load(storage_type(q_dt), qrow, em.mul(i, 4)), q_dt)
-                em.store(em.from_f32(x, qv_dt), q_conv, em.mul(i, 2 if qv_dt == "f16" else 4))
-            with em.loop(0, DV, name="zero") as i:
-                em.store(em.from_f32(em.f32(0.0), "f16" if f16_acc else "f32"), acc_ptr, em.mul(i, acc_size))
-            slope = em.f32(1.0)
-            if self.alibi is not None:
-                slope = em.load(F32, _const_table(em, "alibi", self.alibi), em.mul(h, 4))
-            mrow = None
-            if mask_ptr is not None:
-                moff = em.add(em.add(em.mul(em.rem(s, msh[0]), mst[0]), em.mul(em.rem(h, msh[1]), mst[1])),
-                              em.mul(t, mst[2]))
-                mrow = em.gep(mask_ptr, moff)
-            M = em.var(F32, em.f32(float("-inf")))
-            Ssum = em.var(F32, em.f32(0.0))
-            with em.loop(0, n_kv, name="cell") as ic:
-                mv = em.f32(0.0)
-                if mrow is not None:
-                    m_elem = em.load(storage_type(m_dt), mrow, em.mul(ic, _size(m_dt)))
-                    mv = b.fmul(slope, em.to_f32(m_elem, m_dt))
-                with em.if_(b.fcmp_ordered("!=", mv, em.f32(float("-inf")))):
-                    krow = em.gep(krows, em.mul(ic, ks[2]))
-                    sc = vec_dot(em, krow, k_dt, q_conv, qv_dt, DK, _size(k_dt), _size(qv_dt))
-                    sc = b.fmul(sc, em.f32(self.scale))
+        # rows ordered (s, t, h): a thread's range is whole or partial head groups of tokens
+        rows = em.mul(em.mul(S_, T), H)
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        groups0, groups1 = em.div(r0, H), em.cdiv(r1, H)
+        sc = self.p["scratch"]
+        qbuf = sc                                                   # [H][DK] as qv_dt
+        accbuf = em.gep(sc, em.mul(em.mul(H, DK), 4))               # [H][DV] as acc_dt
+        mbuf = em.gep(accbuf, em.mul(em.mul(H, DV), 4))             # M[H], S[H] f32
+        sbuf = em.gep(mbuf, em.mul(H, 4))
+        with em.loop(groups0, groups1, name="tok") as g:
+            t = em.rem(g, T)
+            s = em.div(g, T)
+            h0 = em.max(em.sub(r0, em.mul(g, H)), 0)
+            h1 = em.min(em.sub(r1, em.mul(g, H)), H)
+            with em.loop(h0, h1, name="init") as h:
+                qrow = em.gep(self.p["q"], em.add(em.add(em.mul(s, d["qs"][0]), em.mul(h, d["qs"][1])),
+                                                  em.mul(t, d["qs"][2])))
+                qdst = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
+                chunked(em, DK, lambda i, lanes, qrow=qrow, qdst=qdst: _vstore(
+                    em, _vload(em, qrow, i, "f32", lanes), qdst, i, qv_dt))
+                arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
+                zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+                chunked(em, DV, lambda i, lanes, arow=arow: _vstore(
+                    em, zero if lanes else em.f32(0.0), arow, i, acc_dt))
+                em.store(em.f32(float("-inf")), mbuf, em.mul(h, 4))
+                em.store(em.f32(0.0), sbuf, em.mul(h, 4))
+            with em.loop(0, d["n_kv"], name="cell") as c:
+                with em.loop(h0, h1, name="head") as h:
+                    self._cell(em, s, t, h, c, qbuf, accbuf, mbuf, sbuf, qv_dt, acc_dt)
+            with em.loop(h0, h1, name="fin") as h:
+                arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
+                self._finish_row(em, arow, acc_dt, em.load(F32, mbuf, em.mul(h, 4)),
+                                 em.load(F32, sbuf, em.mul(h, 4)), s, t, h)
+
+    def _cell(self, em: Emitter, s, t, h, c, qbuf, accbuf, mbuf, sbuf, qv_dt: str, acc_dt: str) -> None:
+        b, d = em.b, self.d
+        _, k_dt, v_dt, _ = self.dtypes
+        DK, DV = d["DK"], d["DV"]
+        mv = em.f32(0.0)
+        if self.p["mask"] is not None:
+            mv = self._mask_value(em, self._mask_row(em, s, h, t), c, self._slope(em, h))
+        with em.if_(b.fcmp_ordered("!=", mv, em.f32(float("-inf")))):
+            krow = self._kv_row(em, "k", s, h, c)
+            qrow = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
+            sc = b.fmul(vec_dot(em, krow, k_dt, qrow, qv_dt, DK, _size(k_dt), _size(qv_dt)), em.f32(self.scale))
+            if self.softcap:
+                sc = b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", sc))
+            sc = b.fadd(sc, mv)
+            m_old = em.load(F32, mbuf, em.mul(h, 4))
+            arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
+            ms = em.var(F32, em.f32(1.0))
+            vs = em.var(F32, em.f32(1.0))
+            with em.if_else(b.fcmp_ordered(">", sc, m_old)) as (then, otherwise):
+                with then:
+                    em.store(sc, mbuf, em.mul(h, 4))
+                    em.set(ms, vmath.expf(em, b.fsub(m_old, sc)))
+                    factor = em.get(ms)
+                    chunked(em, DV, lambda i, lanes: _vstore(em, b.fmul(
+                        _vload(em, arow, i, acc_dt, lanes), em.splat(factor, lanes) if lanes else factor),
+                        arow, i, acc_dt))
+                with otherwise:
+                    em.set(vs, vmath.expf(em, b.fsub(sc, m_old)))
+            vrow = self._kv_row(em, "v", s, h, c)
+            w = em.get(vs)
+            chunked(em, DV, lambda i, lanes: _vstore(em, em.fma(
+                _vload(em, vrow, i, v_dt, lanes), em.splat(w, lanes) if lanes else w,
+                _vload(em, arow, i, acc_dt, lanes)), arow, i, acc_dt))
+            old = em.load(F32, sbuf, em.mul(h, 4))
+            em.store(b.fadd(b.fmul(old, em.get(ms)), w), sbuf, em.mul(h, 4))
+
+    # -- 64 rows or more: ggml's tiles ------------------------------------------------------------------------
+    def _tiled(self, em: Emitter, a) -> None:
+        b, d = em.b, self.d
+        S_, H, T, DK, DV = d["S"], d["H"], d["T"], d["DK"], d["DV"]
+        kv_dt = self.dtypes[1]
+        q_tiles = em.cdiv(T, TILE)
+        u0, u1 = em.split(em.mul(em.mul(S_, H), q_tiles), a.ith, a.nth)
+        sc = self.p["scratch"]
+        Q = sc                                                     # [TILE][DK]
+        Kt = em.gep(Q, em.mul(TILE * 4, DK))                       # [DK][TILE] (transposed)
+        KQ = em.gep(Kt, em.mul(TILE * 4, DK))                      # [TILE][TILE]
+        MK = em.gep(KQ, TILE * TILE * 4)                           # mask [TILE][TILE]
+        V32 = em.gep(MK, TILE * TILE * 4)                          # [TILE][DV]
+        VKQ = em.gep(V32, em.mul(TILE * 4, DV))                    # [TILE][DV]
+        Mb = em.gep(VKQ, em.mul(TILE * 4, DV))                     # M[TILE]
+        Sb = em.gep(Mb, TILE * 4)                                  # S[TILE]
+        with em.loop(u0, u1, name="unit") as u:
+            qt = em.rem(u, q_tiles)
+            h = em.rem(em.div(u, q_tiles), H)
+            s = em.div(em.div(u, q_tiles), H)
+            t0 = em.mul(qt, TILE)
+            rows = em.min(TILE, em.sub(T, t0))
+            slope = self._slope(em, h)
+            with em.loop(0, rows, name="qload") as i:
+                qrow = em.gep(self.p["q"], em.add(em.add(em.mul(s, d["qs"][0]), em.mul(h, d["qs"][1])),
+                                                  em.mul(em.add(t0, i), d["qs"][2])))
+                dst = em.gep(Q, em.mul(em.mul(i, DK), 4))
+                chunked(em, DK, lambda j, lanes, qrow=qrow, dst=dst: _vstore(
+                    em, _vload(em, qrow, j, "f32", lanes), dst, j, "f32"))
+                vrow = em.gep(VKQ, em.mul(em.mul(i, DV), 4))
+                zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+                chunked(em, DV, lambda j, lanes, vrow=vrow: _vstore(em, zero if lanes else em.f32(0.0), vrow, j, "f32"))
+                em.store(em.f32(float("-inf")), Mb, em.mul(i, 4))
+                em.store(em.f32(0.0), Sb, em.mul(i, 4))
+            with em.loop(0, d["n_kv"], TILE, name="kvt") as c0:
+                kvt = em.min(TILE, em.sub(d["n_kv"], c0))
+                live = self._tile_mask(em, MK, s, h, t0, rows, c0, kvt, slope)
+                with em.if_(live):
+                    self._tile(em, s, h, c0, kvt, rows, Q, Kt, KQ, MK, V32, VKQ, Mb, Sb, kv_dt)
+            with em.loop(0, rows, name="out") as i:
+                self._finish_row(em, em.gep(VKQ, em.mul(em.mul(i, DV), 4)), "f32", em.load(F32, Mb, em.mul(i, 4)),
+                                 em.load(F32, Sb, em.mul(i, 4)), s, em.add(t0, i), h)
+
+    def _tile_mask(self, em: Emitter, MK, s, h, t0, rows, c0, kvt, slope) -> ir.Value:
+        """mask32 = slope*mask for the tile (-inf past the last cell); whether any is live."""
+        b = em.b
+        if self.p["mask"] is None:
+            return ir.Constant(I1, 1)
+        live = em.var(I1, ir.Constant(I1, 0))
+        ninf = em.f32(float("-inf"))
+        m_dt = self.dtypes[3]
+        vt = vec(F32, LANES)
+        for_vec = isinstance(self.d["mst"][3], int) and self.d["mst"][3] == _size(m_dt)
+        with em.loop(0, rows, name="mrow") as i:
+            mrow = em.gep(self._mask_row(em, s, h, em.add(t0, i)), em.mul(c0, self.d["mst"][3]))
+            for r in range(TILE // LANES):
+                cols = ir.Constant(vec(ir.IntType(32), LANES), list(range(r * LANES, (r + 1) * LANES)))
+                inside = b.icmp_signed("<", cols, em.splat(b.trunc(em.i64(kvt), ir.IntType(32)), LANES))
+                if for_vec:
+                    raw = em.masked_load(vec(storage_type(m_dt), LANES), mrow, r * LANES * _size(m_dt), inside)
+                    value = b.fmul(em.to_f32(raw, m_dt), em.splat(slope, LANES))
+                else:
+                    value = ir.Constant(vt, None)
+                    for j in range(LANES):
+                        col = em.min(r * LANES + j, em.sub(kvt, 1))
+                        x = self._mask_value(em, mrow, col, slope)
+                        value = b.insert_element(value, x, ir.Constant(ir.IntType(32), j))
+                value = b.select(inside, value, em.splat(ninf, LANES))
+                em.store(value, MK, em.mul(em.add(em.mul(i, TILE), r * LANES), 4))
+                any_live = b.fcmp_ordered("!=", value, em.splat(ninf, LANES))
+                bits = b.bitcast(any_live, ir.IntType(LANES))
+                em.set(live, b.or_(em.get(live), b.icmp_unsigned("!=", bits, ir.Constant(ir.IntType(LANES), 0))))
+        return em.get(live)
+
+    def _tile(self, em: Emitter, s, h, c0, kvt, rows, Q, Kt, KQ, MK, V32, VKQ, Mb, Sb, kv_dt: str) -> None:
+        b, d = em.b, self.d
+        DK, DV = d["DK"], d["DV"]
+        vt = vec(F32, LANES)
+        zero = ir.Constant(vt, [0.0] * LANES)
+        ninf = em.f32(float("-inf"))
+        # K tile, transposed to [DK][TILE] f32 (cells past kvt keep stale values; their scores are -inf)
+        with em.loop(0, kvt, name="kt") as j:
+            krow = self._kv_row(em, "k", s, h, em.add(c0, j))
+            with em.loop(0, DK, name="kd") as k:
+                em.store(_vload(em, krow, k, kv_dt, 0), Kt, em.mul(em.add(em.mul(k, TILE), j), 4))
+        # KQ[i][:] = sum_k Q[i][k] * Kt[k][:]  (simd_gemm: one fma chain per score, k in order),
+        # four query rows at a time so each Kt vector is loaded once per four rows
+        nvec = TILE // LANES
+
+        def kq_rows(i0, n_rows: int) -> None:
+            accs = [[em.var(vt, zero) for _ in range(nvec)] for _ in range(n_rows)]
+            with em.loop(0, DK, name="k") as k:
+                kv = [em.load(vt, Kt, em.mul(em.add(em.mul(k, TILE), r * LANES), 4)) for r in range(nvec)]
+                for ii in range(n_rows):
+                    qv = em.splat(em.load(F32, Q, em.mul(em.add(em.mul(em.add(i0, ii), DK), k), 4)), LANES)
+                    for r in range(nvec):
+                        em.set(accs[ii][r], em.fma(kv[r], qv, em.get(accs[ii][r])))
+            for ii in range(n_rows):
+                for r in range(nvec):
+                    x = b.fmul(em.get(accs[ii][r]), vmath.splat(em, self.scale, LANES))
                     if self.softcap:
-                        sc = b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", sc))
-                    sc = b.fadd(sc, mv)
-                    m_old = em.get(M)
-                    bigger = b.fcmp_ordered(">", sc, m_old)
-                    ms = em.var(F32, em.f32(1.0))
-                    vsv = em.var(F32, em.f32(1.0))
-                    with em.if_else(bigger) as (then, otherwise):
-                        with then:
-                            em.set(M, sc)
-                            em.set(ms, vmath.expf(em, b.fsub(m_old, sc)))
-                            self._scale_acc(em, acc_ptr, DV, em.get(ms), f16_acc)
-                        with otherwise:
-                            em.set(vsv, vmath.expf(em, b.fsub(sc, m_old)))
-                    vrow = em.gep(vrows, em.mul(ic, vs_[2]))
-                    self._mad_acc(em, acc_ptr, vrow, v_dt, DV, em.get(vsv), f16_acc)
-                    em.set(Ssum, b.fadd(b.fmul(em.get(Ssum), em.get(ms)), em.get(vsv)))
-            total = em.get(Ssum)
-            if sinks_ptr is not None:
-                sk = em.load(F32, sinks_ptr, em.mul(h, 4))
-                m_cur = em.get(M)
-                big = b.fcmp_ordered(">", sk, m_cur)
-                ms = b.select(big, vmath.expf(em, b.fsub(m_cur, sk)), em.f32(1.0))
-                vsk = b.select(big, em.f32(1.0), vmath.expf(em, b.fsub(sk, m_cur)))
-                total = b.fadd(b.fmul(total, ms), vsk)
-            else:
-                ms = em.f32(1.0)
-            inv = b.select(b.fcmp_ordered("==", total, em.f32(0.0)), em.f32(0.0), b.fdiv(em.f32(1.0), total))
-            yrow = em.gep(y_ptr, em.add(em.add(em.mul(s, ys[0]), em.mul(t, ys[1])), em.mul(h, ys[2])))
-            with em.loop(0, DV, name="out") as i:
-                x = em.to_f32(em.load(storage_type("f16" if f16_acc else "f32"), acc_ptr, em.mul(i, acc_size)),
-                              "f16" if f16_acc else "f32")
-                if sinks_ptr is not None:
-                    x = b.fmul(x, ms)
-                em.store(b.fmul(x, inv), yrow, em.mul(i, 4))
+                        x = b.fmul(vmath.libm(em, "tanhf", x), vmath.splat(em, self.softcap, LANES))
+                    off = em.mul(em.add(em.mul(em.add(i0, ii), TILE), r * LANES), 4)
+                    cols = ir.Constant(vec(ir.IntType(32), LANES), list(range(r * LANES, (r + 1) * LANES)))
+                    past = b.icmp_signed(">=", cols, em.splat(b.trunc(em.i64(kvt), ir.IntType(32)), LANES))
+                    x = b.select(past, em.splat(ninf, LANES), x)
+                    if self.p["mask"] is not None:
+                        x = b.fadd(x, em.load(vt, MK, off))
+                    em.store(x, KQ, off)
 
-    def _scale_acc(self, em: Emitter, acc, DV, ms, f16: bool) -> None:
-        """ggml_vec_scale_f16/f32: y = y * ms (f16: widened, scaled, rounded)."""
-        dt = "f16" if f16 else "f32"
-        size = 2 if f16 else 4
-        with em.loop(0, DV, name="sc") as i:
-            y = em.to_f32(em.load(storage_type(dt), acc, em.mul(i, size)), dt)
-            em.store(em.from_f32(em.b.fmul(y, ms), dt), acc, em.mul(i, size))
+        full = em.mul(em.div(rows, 4), 4)
+        with em.loop(0, full, 4, name="qi4") as i:
+            kq_rows(i, 4)
+        with em.loop(full, rows, name="qi1") as i:
+            kq_rows(i, 1)
+        # per row: tile max, rescale, exps in place, sum (ggml_vec_soft_max_f32)
+        skip = em.var(ir.IntType(64), em.i64(0))   # bit i: row i has no live cell in this tile
+        with em.loop(0, rows, name="sm") as i:
+            row = em.gep(KQ, em.mul(em.mul(i, TILE), 4))
+            mx = em.var(F32, ninf)
+            with em.loop(0, TILE, name="max") as j:
+                x = em.load(F32, row, em.mul(j, 4))
+                em.set(mx, b.select(b.fcmp_ordered(">", x, em.get(mx)), x, em.get(mx)))
+            tile_max = em.get(mx)
+            dead = b.fcmp_ordered("==", tile_max, ninf)
+            with em.if_else(dead) as (then, otherwise):
+                with then:
+                    em.set(skip, b.or_(em.get(skip), b.shl(em.i64(1), i)))
+                with otherwise:
+                    m_old = em.load(F32, Mb, em.mul(i, 4))
+                    m_new = b.select(b.fcmp_ordered(">", tile_max, m_old), tile_max, m_old)
+                    with em.if_(b.fcmp_ordered(">", m_new, m_old)):
+                        ms = vmath.expf(em, b.fsub(m_old, m_new))
+                        vrow = em.gep(VKQ, em.mul(em.mul(i, DV), 4))
+                        chunked(em, DV, lambda j, lanes, vrow=vrow, ms=ms: _vstore(em, b.fmul(
+                            _vload(em, vrow, j, "f32", lanes), em.splat(ms, lanes) if lanes else ms), vrow, j, "f32"))
+                        em.store(b.fmul(em.load(F32, Sb, em.mul(i, 4)), ms), Sb, em.mul(i, 4))
+                    em.store(m_new, Mb, em.mul(i, 4))
+                    total = em.var(F64, ir.Constant(F64, 0.0))
+                    mvec = em.splat(m_new, LANES)
+                    for r in range(TILE // LANES):
+                        e = vmath.v_expf(em, b.fsub(em.load(vt, row, r * LANES * 4), mvec))
+                        em.store(e, row, r * LANES * 4)
+                        em.set(total, b.fadd(em.get(total), b.fpext(em.reduce_add_tree(e), F64)))
+                    old = b.fpext(em.load(F32, Sb, em.mul(i, 4)), F64)
+                    em.store(b.fptrunc(b.fadd(old, em.get(total)), F32), Sb, em.mul(i, 4))
+        # V tile as f32, then VKQ[i][:] += sum_j KQ[i][j] * V32[j][:] (j in order, fma)
+        with em.loop(0, kvt, name="vt") as j:
+            vrow = self._kv_row(em, "v", s, h, em.add(c0, j))
+            dst = em.gep(V32, em.mul(em.mul(j, DV), 4))
+            chunked(em, DV, lambda k, lanes, vrow=vrow, dst=dst: _vstore(
+                em, _vload(em, vrow, k, kv_dt, lanes), dst, k, "f32"))
+        # VKQ[i][:] += sum_j KQ[i][j] * V32[j][:], four live rows at a time (dead rows: p = 0)
+        def pv_rows(i0, n_rows: int) -> None:
+            masks = [b.icmp_unsigned("==", b.and_(b.lshr(em.get(skip), em.add(i0, ii)), em.i64(1)), em.i64(0))
+                     for ii in range(n_rows)]
 
-    def _mad_acc(self, em: Emitter, acc, vrow, v_dt: str, DV, vs, f16: bool) -> None:
-        """ggml_vec_mad_f16/f32: y = fma(v, vs, y) (f16: rounded back to f16)."""
-        dt = "f16" if f16 else "f32"
-        size = 2 if f16 else 4
-        with em.loop(0, DV, name="mad") as i:
-            y = em.to_f32(em.load(storage_type(dt), acc, em.mul(i, size)), dt)
-            x = em.to_f32(em.load(storage_type(v_dt), vrow, em.mul(i, _size(v_dt))), v_dt)
-            em.store(em.from_f32(em.fma(x, vs, y), dt), acc, em.mul(i, size))
+            def body(k, lanes):
+                ty = vt if lanes else F32
+                outs = [em.gep(VKQ, em.mul(em.mul(em.add(i0, ii), DV), 4)) for ii in range(n_rows)]
+                prows = [em.gep(KQ, em.mul(em.mul(em.add(i0, ii), TILE), 4)) for ii in range(n_rows)]
+                accs = [em.var(ty, _vload(em, outs[ii], k, "f32", lanes)) for ii in range(n_rows)]
+                with em.loop(0, kvt, name="vj") as j:
+                    v = _vload(em, em.gep(V32, em.mul(em.mul(j, DV), 4)), k, "f32", lanes)
+                    for ii in range(n_rows):
+                        p = em.load(F32, prows[ii], em.mul(j, 4))
+                        em.set(accs[ii], em.fma(v, em.splat(p, lanes) if lanes else p, em.get(accs[ii])))
+                for ii in range(n_rows):
+                    with em.if_(masks[ii]):
+                        _vstore(em, em.get(accs[ii]), outs[ii], k, "f32")
 
+            chunked(em, DV, body)
 
-def _size(dt: str) -> int:
-    return {"f32": 4, "f16": 2, "bf16": 2}[dt]
+        full = em.mul(em.div(rows, 4), 4)
+        with em.loop(0, full, 4, name="vi4") as i:
+            pv_rows(i, 4)
+        with em.loop(full, rows, name="vi1") as i:
+            pv_rows(i, 1)

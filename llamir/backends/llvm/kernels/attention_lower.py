@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamir.backends.llvm import expr as E
-from llamir.backends.llvm.kernels.attention import FlashAttn
+from llamir.backends.llvm.kernels.attention import FlashAttn, scratch_bytes
 from llamir.backends.llvm.kernels.matmul_lower import contiguous_rows
 from llamir.backends.llvm.lowering import Lowerer, lowering
 from llamir.ir import Node, ops
@@ -31,8 +31,8 @@ def lower_flash_attn(L: Lowerer, node: Node) -> None:
             raise ValueError("ALiBi needs a static head count")
         alibi = tuple(float(x) for x in alibi_slopes(heads, op.max_bias))
     y = L.out(node)
-    dk, dv = q.shape[3], v.shape[3]
-    scratch = L.scratch(E.add(E.mul(dk, 4), E.mul(dv, 4)), "fa_row", per_thread=True)
+    rows_bytes, tiled_bytes = scratch_bytes(q.shape[1], q.shape[3], v.shape[3])
+    scratch = L.scratch(E.max_(rows_bytes, tiled_bytes), "fa_scratch", per_thread=True)
     kernel = FlashAttn(y, q, k, v, mask, sinks, op.scale, op.logit_softcap, alibi)
     ptrs = [y, q, k, v, (scratch, 0)] + [r for r in (mask, sinks) if r is not None]
     L.step(kernel, ptrs, [q, k, v] + [r for r in (mask, sinks) if r is not None], [y, scratch])
