@@ -18,6 +18,12 @@ def _numpy() -> Backend:
     return NumpyBackend()
 
 
+def _numpy_fast() -> Backend:
+    from llamir.backends.numpy import NumpyBackend
+
+    return NumpyBackend(exact=False)
+
+
 def _lazy(module: str, cls: str) -> Callable[[], Backend]:
     def make() -> Backend:
         import importlib
@@ -30,6 +36,7 @@ def _lazy(module: str, cls: str) -> Callable[[], Backend]:
 BUILTINS: dict[str, Callable[[], Backend]] = {
     "numpy": _numpy,
     "llvm": _lazy("llamir.backends.llvm", "LLVMBackend"),
+    "numpy-fast": lambda: _numpy_fast(),
     "sim": _lazy("llamir.backends.sim", "SimBackend"),
     "null": _lazy("llamir.backends.null", "NullBackend"),
 }

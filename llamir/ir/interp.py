@@ -55,8 +55,8 @@ def check_value(node: Node, value: np.ndarray, bindings: Bindings) -> None:
 class Interpreter:
     """Evaluates graphs with numpy. One instance may keep a cache of dequantized weights."""
 
-    def __init__(self, cache_weights: bool = False):
-        self.ctx = Context(weight_cache={} if cache_weights else None)
+    def __init__(self, cache_weights: bool = False, exact: bool = True):
+        self.ctx = Context(weight_cache={} if cache_weights else None, exact=exact)
 
     def run(
         self,

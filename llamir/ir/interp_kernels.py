@@ -26,6 +26,7 @@ class Context:
     """State a kernel may keep across runs: dequantized weights, keyed by buffer address."""
 
     weight_cache: dict | None = None
+    exact: bool = True   # False: matmuls through BLAS (close to ggml, not bit for bit, much faster)
 
 
 def kernel(*classes: type):

@@ -28,6 +28,8 @@ def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool
     `sgemm`: ggml would offer this float matmul to llamafile's tinyBLAS (see _mul_mat)."""
     from llamir.ir import quants, quants_x86
 
+    if not ctx.exact:
+        return _matmul_fast(ctx, a, a_dtype, b, cacheable)
     if a_dtype in (F32, F16):
         return quants_x86.mul_mat_float(a, b, sgemm)
     if a_dtype == BF16:
@@ -41,6 +43,18 @@ def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool
         return quants.mul_mat_ggml(a, a_dtype, b)
     weight, mins = _cached(ctx, a, a_dtype, "prepared", lambda: quants.prepare_weight(a, a_dtype))
     return quants.mul_mat_prepared(weight, mins, a_dtype, b)
+
+
+def _matmul_fast(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool) -> np.ndarray:
+    """The same math through BLAS: b rounded to the vec_dot_type (quantized the way ggml's x86
+    backend quantizes activations), times the dequantized weight. Orders of magnitude faster than
+    ggml's accumulation order, and within float32 rounding of it."""
+    from llamir.ir import quants
+
+    a32 = _cached(ctx, a, a_dtype, "f32", lambda: to_f32(a, a_dtype)) if cacheable else to_f32(a, a_dtype)
+    if a_dtype == F32:
+        return b @ a32.T
+    return quants.activation_roundtrip(b, a_dtype) @ a32.T
 
 
 def _batch_index(idx: tuple[int, ...], a_batch: tuple[int, ...], b_batch: tuple[int, ...]) -> tuple[int, ...]:

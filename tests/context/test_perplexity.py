@@ -17,44 +17,48 @@ from llamir.frontend.default_model import default_model_path, smollm2_truncated
 TEXT = (Path(__file__).parent.parent / "data" / "ppl_text.txt").read_text()
 
 
-def _ours(model, tokens, n_ctx, n_batch):
+def _ours(model, tokens, n_ctx, n_batch, n_chunks=-1, backend="numpy"):
     bos = model.vocab.bos if model.vocab.add_bos else None
 
     def make(n, b, s):
-        return llamir.Context(model, n_ctx=n, n_batch=b, n_ubatch=min(512, b), n_seq_max=s, flash_attn="off")
+        return llamir.Context(model, n_ctx=n, n_batch=b, n_ubatch=min(512, b), n_seq_max=s, flash_attn="off",
+                              backend=backend)
 
-    return perplexity(make, tokens, bos, n_ctx, n_batch)
+    return perplexity(make, tokens, bos, n_ctx, n_batch, n_chunks)
 
 
-def _theirs(path, model, tokens, n_ctx, n_batch):
+def _theirs(path, model, tokens, n_ctx, n_batch, n_chunks=-1):
     oracle = pytest.importorskip("llamir.testing.llama_cpp")
     pytest.importorskip("llama_cpp")
     bos = model.vocab.bos if model.vocab.add_bos else None
-    return oracle.llama_cpp_perplexity(path, tokens, bos, n_ctx, n_batch, flash_attn=False)
+    return oracle.llama_cpp_perplexity(path, tokens, bos, n_ctx, n_batch, n_chunks=n_chunks, flash_attn=False)
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("dtype,bound", [(None, 0.01), ("f32", 0.001)])
-def test_smollm2_first_layers_perplexity_matches_llama_cpp(dtype, bound):
-    path = smollm2_truncated(4, dtype)
+def test_smollm2_first_layers_perplexity_is_llama_cpps_exactly():
+    """The exact numpy reference gives llama.cpp's perplexity to the last bit."""
+    path = smollm2_truncated(4)
     model = llamir.load_model(path)
     tokens = model.vocab.tokenize(TEXT, add_special=True, parse_special=False)
-    ours = _ours(model, tokens, 128, 256)
-    theirs = _theirs(path, model, tokens, 128, 256)
-    assert ours.n_chunks == theirs.n_chunks == len(tokens) // 128
-    assert abs(ours.ppl / theirs.ppl - 1) < bound
-    assert ours.ppl == pytest.approx(theirs.ppl, rel=1e-9)  # in practice: the same arithmetic
+    ours = _ours(model, tokens, 128, 256, n_chunks=4)
+    theirs = _theirs(path, model, tokens, 128, 256, n_chunks=4)
+    assert ours.n_chunks == theirs.n_chunks == 4
+    assert ours.ppl == theirs.ppl and ours.running == theirs.running
 
 
 @pytest.mark.slow
 @pytest.mark.llama_cpp
-def test_smollm2_full_model_perplexity_matches_llama_cpp():
-    path = default_model_path(progress=False)
+@pytest.mark.parametrize("dtype,bound", [(None, 0.01), ("f32", 0.001)])
+def test_smollm2_full_model_perplexity_matches_llama_cpp(dtype, bound):
+    """The issue's bounds: 1% on the Q4_1 file, 0.1% on its dequantized F32 rewrite (run on the
+    fast numpy backend: BLAS matmuls, within float32 rounding of ggml's order)."""
+    path = default_model_path(progress=False) if dtype is None else smollm2_truncated(30, dtype)
     model = llamir.load_model(path)
     tokens = model.vocab.tokenize(TEXT, add_special=True, parse_special=False)
-    ours = _ours(model, tokens, 128, 512)
+    ours = _ours(model, tokens, 128, 512, backend="numpy-fast")
     theirs = _theirs(path, model, tokens, 128, 512)
-    assert abs(ours.ppl / theirs.ppl - 1) < 0.01
+    assert ours.n_chunks == theirs.n_chunks == len(tokens) // 128
+    assert abs(ours.ppl / theirs.ppl - 1) < bound
     assert 5 < ours.ppl < 100  # a real model on real English
 
 

@@ -11,10 +11,13 @@ class NumpyBackend(Backend):
 
     name = "numpy"
 
-    def __init__(self, device: Device | None = None) -> None:
+    def __init__(self, device: Device | None = None, exact: bool = True) -> None:
+        """`exact`: reproduce ggml's CPU arithmetic bit for bit (the reference); False sends matmuls
+        through BLAS, within float32 rounding of it and much faster (backend name "numpy-fast")."""
         self.device = device if device is not None else cpu_device()
-        self.interp = Interpreter(cache_weights=True)
-        self.plain = Interpreter(cache_weights=False)  # for weights copied into reused compute memory
+        self.exact = exact
+        self.interp = Interpreter(cache_weights=True, exact=exact)
+        self.plain = Interpreter(cache_weights=False, exact=exact)  # for weights copied into reused memory
 
     def supports_op(self, node) -> bool:
         return op_supported_by_numpy(node)
