@@ -138,3 +138,18 @@ def test_abort_callback_returns_two_and_rolls_back_the_ubatch(model):
     ctx.abort_callback = lambda: ctx.memory.seq_pos_max(0) >= 7
     assert ctx.decode(llamir.Batch.from_tokens(TOKENS)) == 2
     assert ctx.memory.seq_pos_max(0) == 3  # the first ubatch stays, as in llama.cpp
+
+
+def test_outputs_come_back_in_batch_order_through_lazy_swaps():
+    from llamir.context.outputs import Outputs
+
+    out = Outputs(n_vocab=3, n_embd=2, n_batch=8, n_seq_max=1)
+    out.reserve(4)
+    rows = np.arange(12, dtype=np.float32).reshape(4, 3)  # written in ubatch order
+    out.write(0, rows, None)
+    out.finish([5, 1, 7, 2], 4)                            # the batch index of each row
+    assert out.swaps                                       # recorded, not yet applied
+    np.testing.assert_array_equal(out.logits[:4], rows)
+    assert out.row(1) == 0 and not out.swaps               # first access reorders
+    np.testing.assert_array_equal(out.logits[:4], rows[[1, 3, 0, 2]])   # batch order 1, 2, 5, 7
+    assert [out.row(i) for i in (1, 2, 5, 7)] == [0, 1, 2, 3]
