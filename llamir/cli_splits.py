@@ -188,7 +188,7 @@ def _render(fmt: str, model, report: SplitsReport, explains: dict[str, str], nod
         return json.dumps(doc, indent=1) + "\n"
     lines = [
         f"model {model.name}: {model.hparams.n_layer} layers; devices "
-        f"{', '.join(b.device.description if b.label in b.device.description else b.label for b in placement.backends)}",
+        f"{', '.join(_device_label(b) for b in placement.backends)}",
         placement.summary().rstrip(),
         plan.to_text(show_nodes=nodes).rstrip(),
         "compute buffers (reserved for batches of "
@@ -265,3 +265,7 @@ def _spec_help() -> str:
     from llamir.backends.sim import spec
 
     return "\n\ndevice specs:\n" + spec.__doc__.split("\n", 2)[2]
+
+
+def _device_label(b) -> str:
+    return b.device.description if b.label in b.device.description else b.label

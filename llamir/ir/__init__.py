@@ -4,8 +4,28 @@ from llamir.ir import ops
 from llamir.ir.builder import GraphBuilder, layer_name
 from llamir.ir.dims import Dim, Sym, sym
 from llamir.ir.dtypes import (
-    BF16, F16, F32, I8, I16, I32, I64, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q8_1,
-    Q8_K, DType, dtype_from_ggml, dtype_named,
+    BF16,
+    F16,
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    Q8_1,
+    Q8_K,
+    DType,
+    dtype_from_ggml,
+    dtype_named,
 )
 from llamir.ir.graph import Graph, Node
 from llamir.ir.interp import Interpreter, run_graph

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-
 # gguf lists Q8_1 with an old 40-byte layout (f32 d and s); ggml's block_q8_1 is two fp16 then 32 int8.
 _TYPE_SIZE_FIXES = {GGMLQuantizationType.Q8_1: 36}
 

@@ -9,7 +9,6 @@ from llamir.ir import dims, ops
 from llamir.ir.ops import IRError, Op
 from llamir.ir.types import TensorType
 
-
 _IDENT = re.compile(r"[A-Za-z_][\w.\-]*")
 
 

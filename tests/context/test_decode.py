@@ -36,7 +36,7 @@ def test_prompt_then_one_token_at_a_time_equals_one_batch(model):
     ctx = _ctx(model)
     assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:6], logits="all")) == 0
     rows = [ctx.get_logits()[i].copy() for i in range(6)]
-    for i, t in enumerate(TOKENS[6:], start=6):
+    for t in TOKENS[6:]:
         assert ctx.decode(llamir.Batch.from_tokens([t], pos0=None)) == 0
         rows.append(ctx.get_logits_ith(-1).copy())
     np.testing.assert_allclose(np.stack(rows), _logits(model, TOKENS), rtol=0, atol=1e-4)

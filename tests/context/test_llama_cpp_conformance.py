@@ -86,7 +86,8 @@ def test_logits_match_llama_cpp_in_every_feeding_mode(model_dir, nmse, arch, dty
     tolerance = 0.5 * spread
     for mode in ("batch", "incremental", "ubatch"):
         err = nmse(_ours(model, mode), _theirs(path, mode))
-        assert err <= tolerance, f"{mode}: NMSE {err:.3g} > {tolerance:.3g} (llama.cpp's f16/f32 KV spread {spread:.3g})"
+        assert err <= tolerance, (f"{mode}: NMSE {err:.3g} > {tolerance:.3g} "
+                                  f"(llama.cpp's f16/f32 KV spread {spread:.3g})")
         if EXACT:
             assert err == 0.0, f"{mode}: NMSE {err:.3g}: not bit-exact with llama.cpp"
 

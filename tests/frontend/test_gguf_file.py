@@ -27,7 +27,8 @@ def test_metadata_and_tensors_match_gguf_reader(tmp_path, dtype):
     for t in ref.tensors:
         mine = ours.tensors[t.name]
         assert mine.shape == tuple(int(n) for n in reversed(t.shape.tolist()))
-        np.testing.assert_array_equal(mine.data.view(np.uint8).reshape(-1), np.asarray(t.data).view(np.uint8).reshape(-1))
+        want = np.asarray(t.data).view(np.uint8).reshape(-1)
+        np.testing.assert_array_equal(mine.data.view(np.uint8).reshape(-1), want)
 
 
 def test_bad_alignment_and_dims_are_named(tmp_path):

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import ROPE_NEOX, Architecture, TensorSpec, decoder_specs, register_arch, \
-    require_rms_eps
+from llamir.frontend.arch.base import (
+    ROPE_NEOX,
+    Architecture,
+    TensorSpec,
+    decoder_specs,
+    register_arch,
+    require_rms_eps,
+)
 
 
 @register_arch

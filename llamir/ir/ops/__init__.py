@@ -2,12 +2,46 @@
 
 from llamir.ir.ops.attention import ROPE_NEOX, ROPE_NORM, FlashAttnExt, RopeExt, SoftMaxExt
 from llamir.ir.ops.base import OPS, IRError, Op, register_op, require
-from llamir.ir.ops.fused import NormMulAdd, RmsNormMul, SoftMaxAttn
 from llamir.ir.ops.elementwise import (
-    Abs, Add, Binary, Clamp, Cos, Div, Elu, Exp, Fill, GeGlu, GeGluErf, GeGluQuick, Gelu, GeluErf,
-    GeluQuick, Glu, HardSigmoid, HardSwish, Log, Mul, Neg, ReGlu, Relu, Scale, Sgn, Sigmoid, Silu, Sin,
-    Softplus, Sqr, Sqrt, Step, Sub, SwiGlu, Tanh, Unary, can_repeat,
+    Abs,
+    Add,
+    Binary,
+    Clamp,
+    Cos,
+    Div,
+    Elu,
+    Exp,
+    Fill,
+    GeGlu,
+    GeGluErf,
+    GeGluQuick,
+    Gelu,
+    GeluErf,
+    GeluQuick,
+    Glu,
+    HardSigmoid,
+    HardSwish,
+    Log,
+    Mul,
+    Neg,
+    ReGlu,
+    Relu,
+    Scale,
+    Sgn,
+    Sigmoid,
+    Silu,
+    Sin,
+    Softplus,
+    Sqr,
+    Sqrt,
+    Step,
+    Sub,
+    SwiGlu,
+    Tanh,
+    Unary,
+    can_repeat,
 )
+from llamir.ir.ops.fused import NormMulAdd, RmsNormMul, SoftMaxAttn
 from llamir.ir.ops.layout import Concat, Cont, Cpy, Permute, Repeat, Reshape, Transpose, View
 from llamir.ir.ops.leaf import Leaf
 from llamir.ir.ops.matmul import GetRows, MulMat, MulMatId, SetRows
