@@ -11,7 +11,14 @@ from typing import ClassVar
 
 from llamir.backends.base import Backend, BackendError
 from llamir.backends.llvm.cache import CompileCache
-from llamir.backends.llvm.codegen import ARENA_SIZE, ENTRY, FrameLayout, ModuleBuilder, kernel_module, kernel_symbol
+from llamir.backends.llvm.codegen import (
+    ARENA_SIZE,
+    ENTRY,
+    FrameLayout,
+    ModuleBuilder,
+    kernel_module,
+    kernel_symbol,
+)
 from llamir.backends.llvm.compiler import optimize_and_emit
 from llamir.backends.llvm.executable import CompiledSplit
 from llamir.backends.llvm.lowering import Lowerer, supported

@@ -8,13 +8,22 @@ recognised by identity; only the per-batch inputs are validated each time.
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from llamir.backends.base import BackendError
-from llamir.backends.llvm.codegen import ARENA, ERR_CODE, ERR_DETAIL, ERR_SITE, N_THREADS, PROFILE, FrameLayout
+from llamir.backends.llvm.codegen import (
+    ARENA,
+    ERR_CODE,
+    ERR_DETAIL,
+    ERR_SITE,
+    N_THREADS,
+    PROFILE,
+    FrameLayout,
+)
 from llamir.backends.llvm.kernels.repack import PACKED
 from llamir.backends.llvm.plan import Plan, Ref
 from llamir.backends.llvm.runtime import ThreadPool
@@ -75,6 +84,14 @@ class CompiledSplit:
             shape = _storage_dims(leaf)
             self._leaves.append(_Leaf(leaf.name, layout.leaves[leaf.name], leaf.kind, shape,
                                       storage_dtype(leaf.dtype), all(isinstance(d, int) for d in shape)))
+        # leaves bound once and then recognised by identity (weights, the KV cache), and the
+        # per-call inputs (validated every time)
+        self._fixed = [x for x in self._leaves if x.concrete and x.kind != "input"]
+        self._fixed_names = [x.name for x in self._fixed]
+        self._fixed_last: list = [None] * len(self._fixed)
+        self._inputs = [x for x in self._leaves if not (x.concrete and x.kind != "input")]
+        self._arena_sizes: dict[tuple, int] = {}
+        self._dims_key: tuple = ()
         self._packed = {}    # leaf name -> [(slot, format)]
         for name, buf in plan.packed.items():
             leaf_name, fmt = buf.source
@@ -100,6 +117,7 @@ class CompiledSplit:
     # -- binding ---------------------------------------------------------------------------------
     def _bind(self, leaf_values, bindings) -> list:
         frame = self.frame
+        dims_key = []
         for name, slot in self._dims:
             try:
                 value = int(bindings[name])
@@ -108,23 +126,34 @@ class CompiledSplit:
             if value < 0:
                 raise BackendError(f"dim {name} = {value} is negative")
             frame[slot] = value
+            dims_key.append(value)
+        self._dims_key = tuple(dims_key)
+        # weights and state: one C-level identity pass over the arrays bound last time
+        try:
+            fixed = list(map(leaf_values.__getitem__, self._fixed_names))
+        except KeyError as err:
+            raise BackendError(f"no value for leaf {err.args[0]!r}") from None
+        if not all(map(operator.is_, fixed, self._fixed_last)):
+            for spec, arr in zip(self._fixed, fixed, strict=True):
+                if arr is not spec.last:
+                    self._bind_leaf(spec, self._check_leaf(spec, arr, bindings))
+                    spec.last = arr
+            self._fixed_last = [spec.last for spec in self._fixed]
         keep = []
-        for spec in self._leaves:
+        for spec in self._inputs:
             try:
                 arr = leaf_values[spec.name]
             except KeyError:
                 raise BackendError(f"no value for {spec.kind} {spec.name!r}") from None
-            if arr is spec.last:
-                continue
             arr = self._check_leaf(spec, arr, bindings)
-            frame[spec.slot] = arr.__array_interface__["data"][0]
-            for slot, fmt in self._packed.get(spec.name, ()):
-                frame[slot] = PACKED.get(arr, fmt).__array_interface__["data"][0]
-            if spec.concrete and spec.kind != "input":
-                spec.last = arr
-            else:
-                keep.append(arr)
+            self._bind_leaf(spec, arr)
+            keep.append(arr)
         return keep
+
+    def _bind_leaf(self, spec: _Leaf, arr: np.ndarray) -> None:
+        self.frame[spec.slot] = arr.__array_interface__["data"][0]
+        for slot, fmt in self._packed.get(spec.name, ()):
+            self.frame[slot] = PACKED.get(arr, fmt).__array_interface__["data"][0]
 
     def _check_leaf(self, spec: _Leaf, arr, bindings) -> np.ndarray:
         if not isinstance(arr, np.ndarray):
@@ -155,7 +184,9 @@ class CompiledSplit:
 
     def _run(self) -> None:
         frame = self.frame
-        need = self._arena_size(self._frame_ptr)
+        need = self._arena_sizes.get(self._dims_key)
+        if need is None:
+            need = self._arena_sizes[self._dims_key] = self._arena_size(self._frame_ptr)
         if need > self._arena_cap:
             self._arena_cap = max(need, self._arena_cap * 5 // 4)
             self.arena = np.empty(self._arena_cap + 64, dtype=np.uint8)

@@ -155,9 +155,11 @@ class Lowerer:
 
 
 # Kernel modules register their lowerings on import.
-from llamir.backends.llvm.kernels import elementwise_lower  # noqa: E402,F401
-from llamir.backends.llvm.kernels import rows_lower  # noqa: E402,F401
-from llamir.backends.llvm.kernels import gather_lower  # noqa: E402,F401
-from llamir.backends.llvm.kernels import rope_lower  # noqa: E402,F401
-from llamir.backends.llvm.kernels import matmul_lower  # noqa: E402,F401
-from llamir.backends.llvm.kernels import attention_lower  # noqa: E402,F401
+from llamir.backends.llvm.kernels import (
+    attention_lower,  # noqa: E402,F401
+    elementwise_lower,  # noqa: E402,F401
+    gather_lower,  # noqa: E402,F401
+    matmul_lower,  # noqa: E402,F401
+    rope_lower,  # noqa: E402,F401
+    rows_lower,  # noqa: E402,F401
+)

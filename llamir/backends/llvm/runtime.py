@@ -258,6 +258,7 @@ class ThreadPool:
         base = self._state.ctypes.data
         self._state_ptr = base + (-base % 64)
         self.lock = threading.Lock()
+        self._direct: dict[int, object] = {}
         self._threads = [threading.Thread(target=worker, args=(self._state_ptr, i), daemon=True,
                                           name=f"llamir-worker-{i}") for i in range(1, n_threads)]
         for t in self._threads:
@@ -270,7 +271,10 @@ class ThreadPool:
         The caller holds `lock` (one run at a time per pool)."""
         nth = self.n_threads if n_threads is None else max(1, min(n_threads, self.n_threads))
         if nth == 1:   # no workers to wake: run the split on this thread alone
-            _SPLIT(fn_addr)(frame_ptr, 0, 1, self._state_ptr)
+            fn = self._direct.get(fn_addr)
+            if fn is None:
+                fn = self._direct[fn_addr] = _SPLIT(fn_addr)
+            fn(frame_ptr, 0, 1, self._state_ptr)
             return
         self._run(self._state_ptr, fn_addr, frame_ptr, nth, len(self._threads))
 

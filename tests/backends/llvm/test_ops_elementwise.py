@@ -137,3 +137,17 @@ def test_one_row_and_zero_tokens(check):
     b.output("y", b.silu(b.scale(x, 2.0)))
     check(b.graph, {"x": _values((1, 16), F32)}, {"T": 1}, exact=True)
     check(b.graph, {"x": np.zeros((0, 16), np.float32)}, {"T": 0}, exact=True)
+
+
+@pytest.mark.parametrize("dst", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_cpy_quantize_and_back(check, dst):
+    from llamir.ir import dtype_named
+
+    dt = dtype_named(dst)
+    b = GraphBuilder("g")
+    x = b.input("x", [3, 64], F32)
+    q = b.cast(x, dt)
+    b.output("q", q)
+    b.output("back", b.cast(q, F32))
+    b.output("half", b.cast(q, F16))
+    check(b.graph, {"x": _values((3, 64), F32)}, exact=True)

@@ -247,3 +247,48 @@ def test_flash_attn_tiled_prompt(check, kv, softcap, sinks):
     if sinks:
         values["s"] = _f32((4,))
     check(b.graph, values, {"T": T, "n": n}, tol=1e-5 if kv == F16 else 1e-11)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize("n_kv", [40, 37])
+def test_mul_mat_quantized_kv_cache(check, name, n_kv):
+    """A quantized KV cache read by k.q with GQA and permuted q: ggml's block layout, read
+    directly (no repacking), in the reference's order (Q4_0's depends on n_kv % 8 at run time)."""
+    dtype = dtype_named(name)
+    b = GraphBuilder("g", dims=["T", "n"])
+    cache = b.input("k", [1, 2, "n", 64], dtype)
+    q = b.permute(b.input("q", [1, "T", 4, 64], F32), 0, 2, 1, 3)
+    b.output("kq", b.mul_mat(cache, q))
+    T = 3
+    check(b.graph, {"k": _weight((1, 2, n_kv, 64), dtype), "q": _f32((1, T, 4, 64))}, {"T": T, "n": n_kv},
+          exact=True)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q5_1"])
+def test_flash_attn_quantized_cache(check, name):
+    """Quantized K/V rows are dequantised (the reference's to_f32) and used in f32."""
+    dtype = dtype_named(name)
+    b = GraphBuilder("g", dims=["T", "n"])
+    q = b.input("q", [1, 4, "T", 64], F32)
+    k, v = b.input("k", [1, 2, "n", 64], dtype), b.input("v", [1, 2, "n", 64], dtype)
+    m = b.input("m", [1, 1, "T", "n"], F16)
+    b.output("y", b.flash_attn_ext(q, k, v, m, 0.125))
+    T, n = 3, 40
+    mask = np.zeros((1, 1, T, n), np.float16)
+    mask[..., 33:] = -np.inf
+    check(b.graph, {"q": _f32((1, 4, T, 64)), "k": _weight((1, 2, n, 64), dtype), "v": _weight((1, 2, n, 64), dtype),
+                    "m": mask}, {"T": T, "n": n}, tol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("n_b", [1, 2])
+def test_mul_mat_id(check, name, n_b):
+    dtype = dtype_named(name)
+    E, M, K, T, k = 4, 24, 64, 5, 2
+    b = GraphBuilder("g", dims=["T"])
+    w = b.weight("w", [E, M, K], dtype)
+    x = b.input("x", ["T", n_b, K], F32)
+    ids = b.input("ids", ["T", k], I32)
+    b.output("y", b.mul_mat_id(w, x, ids))
+    check(b.graph, {"w": _weight((E, M, K), dtype), "x": _f32((T, n_b, K)),
+                    "ids": rng.integers(0, E, (T, k)).astype(np.int32)}, {"T": T}, exact=True)

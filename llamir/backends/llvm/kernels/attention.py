@@ -74,6 +74,22 @@ def _size(dt: str) -> int:
     return {"f32": 4, "f16": 2, "bf16": 2}[dt]
 
 
+def _quantized(dt: str) -> bool:
+    return dt not in ("f32", "f16", "bf16")
+
+
+def _dequant_row(em: Emitter, dtype: str, src, dst, n) -> None:
+    """dst[0:n] = the f32 values of a quantized row (ggml's dequantize_row_*)."""
+    from llamir.backends.llvm.kernels.quant import dequant_value
+    from llamir.ir import dtype_named
+
+    dt = dtype_named(dtype)
+    with em.loop(0, em.div(n, dt.block_size), name="dq") as k:
+        blk = em.gep(src, em.mul(k, dt.type_size))
+        with em.loop(0, dt.block_size, name="dqj") as j:
+            em.store(dequant_value(em, dtype, blk, j), dst, em.mul(em.add(em.mul(k, dt.block_size), j), 4))
+
+
 def _vload(em: Emitter, ptr, i, dt: str, lanes: int):
     ty = storage_type(dt) if not lanes else vec(storage_type(dt), lanes)
     return em.to_f32(em.load(ty, ptr, em.mul(i, _size(dt))), dt)
@@ -87,7 +103,7 @@ def scratch_bytes(H, DK, DV) -> tuple:
     """Per-thread scratch: (row path bytes, tiled path bytes) as expressions of the head sizes."""
     from llamir.backends.llvm import expr as E
 
-    rows = E.mul(H, E.add(E.mul(DK, 4), E.add(E.mul(DV, 4), 16)))
+    rows = E.add(E.mul(H, E.add(E.mul(DK, 4), E.add(E.mul(DV, 4), 16))), E.mul(4, E.add(DK, DV)))
     tiled = E.mul(4, E.add(E.mul(TILE, E.add(E.mul(DK, 2), E.mul(DV, 3))), TILE * TILE * 2 + 2 * TILE))
     return rows, tiled
 
@@ -184,6 +200,7 @@ class FlashAttn(Kernel):
         S_, H, T, DK, DV = d["S"], d["H"], d["T"], d["DK"], d["DV"]
         acc_dt = "f16" if v_dt == "f16" else "f32"
         qv_dt = "f16" if k_dt == "f16" else "f32"
+        self._kq_buf = self._vq_buf = None
         # rows ordered (s, t, h): a thread's range is whole or partial head groups of tokens
         rows = em.mul(em.mul(S_, T), H)
         r0, r1 = em.split(rows, a.ith, a.nth)
@@ -193,6 +210,10 @@ class FlashAttn(Kernel):
         accbuf = em.gep(sc, em.mul(em.mul(H, DK), 4))               # [H][DV] as acc_dt
         mbuf = em.gep(accbuf, em.mul(em.mul(H, DV), 4))             # M[H], S[H] f32
         sbuf = em.gep(mbuf, em.mul(H, 4))
+        if _quantized(k_dt):                                        # dequantised K / V rows
+            self._kq_buf = em.gep(sbuf, em.mul(H, 4))
+        if _quantized(v_dt):
+            self._vq_buf = em.gep(sbuf, em.add(em.mul(H, 4), em.mul(DK, 4)))
         with em.loop(groups0, groups1, name="tok") as g:
             t = em.rem(g, T)
             s = em.div(g, T)
@@ -228,7 +249,11 @@ class FlashAttn(Kernel):
         with em.if_(b.fcmp_ordered("!=", mv, em.f32(float("-inf")))):
             krow = self._kv_row(em, "k", s, h, c)
             qrow = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
-            sc = b.fmul(vec_dot(em, krow, k_dt, qrow, qv_dt, DK, _size(k_dt), _size(qv_dt)), em.f32(self.scale))
+            kdt = k_dt
+            if _quantized(k_dt):
+                _dequant_row(em, k_dt, krow, self._kq_buf, DK)
+                krow, kdt = self._kq_buf, "f32"
+            sc = b.fmul(vec_dot(em, krow, kdt, qrow, qv_dt, DK, _size(kdt), _size(qv_dt)), em.f32(self.scale))
             if self.softcap:
                 sc = b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", sc))
             sc = b.fadd(sc, mv)
@@ -247,9 +272,13 @@ class FlashAttn(Kernel):
                 with otherwise:
                     em.set(vs, vmath.expf(em, b.fsub(sc, m_old)))
             vrow = self._kv_row(em, "v", s, h, c)
+            vdt = v_dt
+            if _quantized(v_dt):
+                _dequant_row(em, v_dt, vrow, self._vq_buf, DV)
+                vrow, vdt = self._vq_buf, "f32"
             w = em.get(vs)
             chunked(em, DV, lambda i, lanes: _vstore(em, em.fma(
-                _vload(em, vrow, i, v_dt, lanes), em.splat(w, lanes) if lanes else w,
+                _vload(em, vrow, i, vdt, lanes), em.splat(w, lanes) if lanes else w,
                 _vload(em, arow, i, acc_dt, lanes)), arow, i, acc_dt))
             old = em.load(F32, sbuf, em.mul(h, 4))
             em.store(b.fadd(b.fmul(old, em.get(ms)), w), sbuf, em.mul(h, 4))

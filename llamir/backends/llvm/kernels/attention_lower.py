@@ -10,9 +10,14 @@ from llamir.ir import Node, ops
 from llamir.ir.interp_nn import alibi_slopes
 
 
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
 def _fa_ok(node: Node, target) -> bool:
-    k, v = node.inputs[1].dtype.name, node.inputs[2].dtype.name
-    return k in ("f32", "f16") and v in ("f32", "f16")
+    k, v = node.inputs[1], node.inputs[2]
+    if k.dtype.name not in KV_TYPES or v.dtype.name not in KV_TYPES:
+        return False
+    return all(isinstance(x.type.shape[-1], int) for x in (k, v))
 
 
 @lowering(ops.FlashAttnExt, supports=_fa_ok)

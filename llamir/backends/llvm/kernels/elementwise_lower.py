@@ -137,15 +137,25 @@ def lower_elementwise(L: Lowerer, node: Node) -> None:
 
 
 def _cpy_supported(node: Node, target) -> bool:
+    from llamir.backends.llvm.kernels.quant import DEQUANT_TYPES, QUANTIZE_TYPES
+
     src, dst = node.inputs[0].dtype, node.dtype
     if src == dst:
         return True
-    return not src.is_quantized and not dst.is_quantized
+    if src.is_quantized and src.name not in DEQUANT_TYPES:
+        return False
+    return not dst.is_quantized or dst.name in QUANTIZE_TYPES
 
 
 @lowering(ops.Cpy, supports=_cpy_supported)
 def lower_cpy(L: Lowerer, node: Node) -> None:
-    copy_step(L, L.out(node), L.ref(node.inputs[0]), node)
+    src, out = L.ref(node.inputs[0]), L.out(node)
+    if src.dtype != out.dtype and (src.dtype.is_quantized or out.dtype.is_quantized):
+        from llamir.backends.llvm.kernels.gather import ConvertRows
+
+        L.step(ConvertRows(out, src), [out, src], [src], [out], row_part(out), [])
+        return
+    copy_step(L, out, src, node)
 
 
 @lowering(ops.Cont)

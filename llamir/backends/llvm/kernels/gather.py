@@ -138,3 +138,45 @@ class SetRows(Kernel):
 
 
 __all__ = ["F32", "GetRows", "SetRows", "copy_row"]
+
+
+class ConvertRows(Kernel):
+    """dst = src converted row by row where a side is quantized (ggml_cpy: dequantize_row_* or
+    quantize_row_*_ref); threads take rows."""
+
+    def __init__(self, dst: Ref, src: Ref):
+        dst, src = dst.padded(), src.padded()
+        self.dtypes = (dst.dtype.name, src.dtype.name)
+        self.blocks = ((dst.dtype.block_size, dst.dtype.type_size), (src.dtype.block_size, src.dtype.type_size))
+        self.n_ptrs = 2
+        super().__init__(list(src.shape) + list(src.strides) + list(dst.strides))
+
+    def config(self) -> tuple:
+        return (self.dtypes, self.blocks)
+
+    def emit(self, em: Emitter, a) -> None:
+        from llamir.backends.llvm.kernels.rows import row_pointer
+
+        shape, sst, dstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
+        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        (dbs, dbb), (sbs, sbb) = self.blocks
+        d_dt, s_dt = self.dtypes
+        with em.loop(r0, r1, name="row") as r:
+            src = row_pointer(em, a.ptrs[1], r, shape[:3], sst[:3])
+            dst = row_pointer(em, a.ptrs[0], r, shape[:3], dstr[:3])
+
+            def value(col, src=src):
+                if sbs == 1:
+                    return em.to_f32(em.load(storage_type(s_dt), src, em.mul(col, sst[3])), s_dt)
+                blk = em.gep(src, em.mul(em.div(col, sbs), sbb))
+                return dequant_value(em, s_dt, blk, em.rem(col, sbs))
+
+            if dbs == 1:
+                with em.loop(0, shape[3], name="c") as c:
+                    em.store(em.from_f32(value(c), d_dt), dst, em.mul(c, dstr[3]))
+            else:
+                with em.loop(0, em.div(shape[3], dbs), name="blk") as k:
+                    base = em.mul(k, dbs)
+                    quantize_block_ref(em, d_dt, lambda j, base=base: value(em.add(base, j)),
+                                       em.gep(dst, em.mul(k, dbb)))

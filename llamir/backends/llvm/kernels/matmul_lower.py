@@ -81,3 +81,41 @@ def lower_mul_mat(L: Lowerer, node: Node) -> None:
     from llamir.backends.llvm.kernels.matmul_quant_lower import lower_quant_matmul
 
     lower_quant_matmul(L, node)
+
+
+def _mul_mat_id_ok(node: Node, target) -> bool:
+    from llamir.backends.llvm.kernels.matmul_quant_lower import DIRECT_TYPES
+
+    w, b = node.inputs[0], node.inputs[1]
+    k = w.type.shape[-1]
+    if b.dtype.name not in FLOAT_WEIGHTS or not isinstance(k, int):
+        return False
+    return w.dtype.name in ("f32", "f16") or (w.dtype.name in DIRECT_TYPES and k % 32 == 0)
+
+
+@lowering(ops.MulMatId, supports=_mul_mat_id_ok)
+def lower_mul_mat_id(L: Lowerer, node: Node) -> None:
+    from llamir.backends.llvm.kernels.matmul_id import MatMulId
+    from llamir.backends.llvm.kernels.matmul_quant_lower import quantized_activation
+    from llamir.backends.llvm.kernels.quant_act import act_layout
+    from llamir.backends.llvm.kernels.repack import weight_format
+
+    w = contiguous_rows(L, L.ref(node.inputs[0]), "experts")
+    ids = L.ref(node.inputs[2])
+    K = w.shape[-1]
+    y = L.out(node)
+    if w.dtype.name in FLOAT_WEIGHTS:
+        b = prepared_b(L, node, w.dtype.name) if w.dtype.name != "f32" else _f32_rows(L, node)
+        fmt, act, row = None, (b.buf, b.offset), E.mul(K, 4)
+        b_ref = b
+    else:
+        fmt = weight_format(w.dtype.name, 8)
+        buf, _ = quantized_activation(L, node.inputs[1], fmt, K)
+        act, row, b_ref = (buf, 0), act_layout(fmt, K)[4], L.ref(node.inputs[1])
+    kernel = MatMulId(y, w, b_ref, ids, L.site("mul_mat_id expert id"), fmt, row, K)
+    L.step(kernel, [y, w, act, ids], [w, act[0], ids], [y])
+
+
+def _f32_rows(L: Lowerer, node: Node) -> Ref:
+    b = L.ref(node.inputs[1])
+    return b if b.is_contiguous else prepared_b(L, node, "f32")

@@ -155,3 +155,110 @@ class MatMulQ(Kernel):
 
     def _xb(self, em: Emitter, xq, off: int):
         return em.b.bitcast(em.splat(em.load(I32, xq, off), G), vec(I8, 64))
+
+
+# -- quantized operands that are not packed weights (KV cache views, batched tensors) ------------------
+_BLOCK = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4), "q5_0": (22, 6), "q5_1": (24, 8)}
+
+
+def _block_values(em: Emitter, dtype: str, blk):
+    """The 32 signed integer values of a raw ggml block as <32 x i32>, element order."""
+    b = em.b
+    v32 = vec(I32, 32)
+    if dtype == "q8_0":
+        return b.sext(em.load(vec(I8, 32), blk, 2), v32)
+    size, qs = _BLOCK[dtype]
+    raw = b.zext(em.load(vec(I8, 16), blk, qs), vec(I32, 16))
+    lo = b.and_(raw, ir.Constant(vec(I32, 16), [15] * 16))
+    hi = b.lshr(raw, ir.Constant(vec(I32, 16), [4] * 16))
+    q = em.concat(lo, hi)
+    if dtype in ("q5_0", "q5_1"):
+        qh = em.load(I32, blk, 2 if dtype == "q5_0" else 4)
+        bits = b.and_(b.lshr(em.splat(qh, 32, I32), ir.Constant(v32, list(range(32)))), ir.Constant(v32, [1] * 32))
+        q = b.or_(q, b.shl(bits, ir.Constant(v32, [4] * 32)))
+    offset = {"q4_0": 8, "q5_0": 16}.get(dtype, 0)
+    if offset:
+        q = b.sub(q, ir.Constant(v32, [offset] * 32))
+    return q
+
+
+class MatMulQDirect(Kernel):
+    """y [B0, B1, N, M] f32 from a quantized a [A0, A1, M, K] in ggml's block layout (any row and
+    batch strides) and b's quantized activations [B0, B1, N] rows: one dot product per output in
+    the reference's order (lanes8, or one integer sum per block for Q4_0 with M % 8 == 0)."""
+
+    def __init__(self, fmt: QFormat, K: int, y, a, n_rows_per_batch):
+        y, a = y.padded(), a.padded()
+        self.fmt = fmt
+        self.K = K
+        self.dtype = a.dtype.name
+        self.n_ptrs = 3
+        super().__init__(list(y.shape) + list(y.strides[:3]) + list(a.shape[:2]) + list(a.strides[:3]))
+
+    def config(self) -> tuple:
+        return (self.fmt, self.K, self.dtype)
+
+    def emit(self, em: Emitter, a) -> None:
+        b = em.b
+        yshape, ystr = a.ints[0:4], a.ints[4:7]
+        ash, astr = a.ints[7:9], a.ints[9:12]
+        N, M = yshape[2], yshape[3]
+        y_ptr, w_ptr, x_ptr = a.ptrs
+        nb, off_d, off_aux, _, row_bytes = act_layout(self.fmt, self.K)
+        bsize = _BLOCK[self.dtype][0]
+        batches = em.mul(yshape[0], yshape[1])
+        units = em.mul(batches, N)
+        u0, u1 = em.split(units, a.ith, a.nth)
+        block_order = em.icmp("==", em.rem(M, 8), 0) if self.dtype == "q4_0" else ir.Constant(ir.IntType(1), 0)
+        with em.loop(u0, u1, name="unit") as u:
+            n = em.rem(u, N)
+            bi = em.div(u, N)
+            i1, i0 = em.rem(bi, yshape[1]), em.div(bi, yshape[1])
+            ai0 = em.div(i0, em.div(yshape[0], ash[0]))
+            ai1 = em.div(i1, em.div(yshape[1], ash[1]))
+            A = em.gep(w_ptr, em.add(em.mul(ai0, astr[0]), em.mul(ai1, astr[1])))
+            xrow = em.gep(x_ptr, em.mul(u, row_bytes))
+            yrow = em.gep(y_ptr, em.add(em.add(em.mul(i0, ystr[0]), em.mul(i1, ystr[1])), em.mul(n, ystr[2])))
+            with em.loop(0, M, name="m") as m:
+                arow = em.gep(A, em.mul(m, astr[2]))
+                with em.if_else(block_order) as (then, otherwise):
+                    with then:
+                        em.store(self._dot(em, arow, xrow, nb, bsize, off_d, off_aux, True), yrow, em.mul(m, 4))
+                    with otherwise:
+                        em.store(self._dot(em, arow, xrow, nb, bsize, off_d, off_aux, False), yrow, em.mul(m, 4))
+
+    def _dot(self, em: Emitter, arow, xrow, nb: int, bsize: int, off_d: int, off_aux: int, block_order: bool):
+        b = em.b
+        v8f = vec(F32, 8)
+        zero8 = ir.Constant(v8f, [0.0] * 8)
+        acc = em.var(v8f, zero8)
+        acc1 = em.var(F32, em.f32(0.0))
+        summs = em.var(F32, em.f32(0.0))
+        has_min = self.dtype in ("q4_1", "q5_1")
+        with em.loop(0, nb, name="blk") as k:
+            blk = em.gep(arow, em.mul(k, bsize))
+            w = _block_values(em, self.dtype, blk)
+            x = b.sext(em.load(vec(I8, 32), xrow, em.mul(k, 32)), vec(I32, 32))
+            prod = b.mul(w, x)
+            lanes = prod
+            for t in range(4):
+                part = em.shuffle(prod, None, range(t, 32, 4))
+                lanes = part if t == 0 else b.add(lanes, part)
+            d_w = b.fpext(em.load(F16, blk, 0), F32)
+            d_x = em.load(F32, xrow, em.add(off_d, em.mul(k, 4)))
+            scale = b.fmul(d_x, d_w)
+            if block_order:
+                isum = b.sitofp(em.reduce_int_add(lanes), F32)
+                em.set(acc1, em.fma(isum, scale, em.get(acc1)))
+            else:
+                em.set(acc, em.fma(em.splat(scale, 8), b.sitofp(lanes, v8f), em.get(acc)))
+            if has_min:
+                m_w = b.fpext(em.load(F16, blk, 2), F32)
+                s_x = em.load(F32, xrow, em.add(off_aux, em.mul(k, 4)))
+                em.set(summs, em.fma(m_w, s_x, em.get(summs)))
+        if block_order:
+            return em.get(acc1)
+        a8 = em.get(acc)
+        e = [b.extract_element(a8, ir.Constant(I32, i)) for i in range(8)]
+        total = b.fadd(b.fadd(b.fadd(e[0], e[4]), b.fadd(e[2], e[6])), b.fadd(b.fadd(e[1], e[5]), b.fadd(e[3], e[7])))
+        return b.fadd(total, em.get(summs)) if has_min else total

@@ -23,8 +23,15 @@ def _packable(node: Node) -> QFormat | None:
     return fmt
 
 
+DIRECT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
 def quant_supported(node: Node, target) -> bool:
-    return _packable(node) is not None
+    if _packable(node) is not None:
+        return True
+    a = node.inputs[0]
+    k = a.type.shape[-1]
+    return a.dtype.name in DIRECT_TYPES and isinstance(k, int) and k % 32 == 0
 
 
 def quantized_activation(L: Lowerer, b_node: Node, fmt: QFormat, K: int):
@@ -55,9 +62,28 @@ def packed_buffer(L: Lowerer, leaf: Node, fmt: QFormat) -> Buffer:
 
 def lower_quant_matmul(L: Lowerer, node: Node) -> None:
     fmt = _packable(node)
+    if fmt is None:
+        _lower_direct(L, node)
+        return
     a = node.inputs[0]
     m_rows, K = a.type.shape[-2], a.type.shape[-1]
     act, n_rows = quantized_activation(L, node.inputs[1], fmt, K)
     packed = packed_buffer(L, a, fmt)
     y = L.out(node)
     L.step(MatMulQ(fmt, K, n_rows, m_rows), [y, (packed, 0), (act, 0)], [packed, act], [y])
+
+
+def _lower_direct(L: Lowerer, node: Node) -> None:
+    """A quantized `a` that is not a packable weight (a KV cache view, a batched tensor)."""
+    from llamir.backends.llvm.kernels.matmul_lower import contiguous_rows
+    from llamir.backends.llvm.kernels.matmul_quant import MatMulQDirect
+
+    a_node = node.inputs[0]
+    a = L.ref(a_node)
+    if a.strides[-1] != a.dtype.type_size:
+        a = contiguous_rows(L, a, "a_rows")
+    K = a.shape[-1]
+    fmt = weight_format(a.dtype.name, 8)          # the activation side of the exact formats
+    act, n_rows = quantized_activation(L, node.inputs[1], fmt, K)
+    y = L.out(node)
+    L.step(MatMulQDirect(fmt, K, y, a, n_rows), [y, a, (act, 0)], [a, act], [y])
