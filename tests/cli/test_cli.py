@@ -119,3 +119,21 @@ def test_console_script_is_installed(model_path):
     res = subprocess.run(["llamir", "tokenize", str(model_path), "abc", "--ids"], capture_output=True, text=True,
                          check=True)
     assert isinstance(json.loads(res.stdout), list)
+
+
+def test_run_parallel_sequences_share_the_prompt(model_path, capsys):
+    assert main(["run", str(model_path), "-p", "Hi", "-n", "4", "--n-parallel", "3", "--temp", "0"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[sequence")]
+    assert len(lines) == 3
+    # greedy: every sequence continues the same prompt identically
+    assert len({line.split("] ", 1)[1] for line in lines}) == 1
+
+
+def test_run_context_shift_keeps_generating(model_path, capsys):
+    args = ["run", str(model_path), "-p", "Hi", "-n", "300", "--n-ctx", "256", "--temp", "0.7", "--seed", "1"]
+    assert main(args) == 0
+    short = capsys.readouterr().out
+    assert main(args + ["--ctx-shift", "--perf"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out) > len(short)            # went past the full context
+    assert "graphs reused" in captured.err and "eval time" in captured.err
