@@ -54,6 +54,7 @@ class Lowerer:
         self.inlined: set[int] = set()           # element-wise nodes computed inside their user
         self.cache: dict[tuple, object] = {}     # shared helper results (quantized activations, ...)
         self.current: Node | None = None
+        self.keep_values = False                 # set for observation: values stay readable
 
     def run(self) -> Plan:
         from llamir.backends.llvm.kernels.elementwise_lower import find_inlined
@@ -61,7 +62,7 @@ class Lowerer:
         for leaf in self.graph.leafs:
             buf = self.plan.leaf(leaf.name)
             self.plan.refs[id(leaf)] = self.plan.new_ref(buf, node_shape(leaf), leaf.dtype)
-        self.inlined = find_inlined(self.graph)
+        self.inlined = set() if self.keep_values else find_inlined(self.graph)
         for node in self.graph.nodes:
             self.current = node
             if node.op.is_view:
@@ -74,6 +75,7 @@ class Lowerer:
                 raise BackendError(f"llvm backend cannot lower {node.op.name} ({node.type}) {node.name or ''}")
             entry[0](self, node)
         self._outputs()
+        self.plan.keep_values = self.keep_values
         self.plan.assign_stages()
         self.plan.plan_memory()
         return self.plan

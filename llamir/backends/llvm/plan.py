@@ -161,6 +161,7 @@ class Plan:
         self.n_stages = 0
         self.arena_size: Expr = 0
         self.sites: list[str] = []      # error sites: what a kernel reports in the frame
+        self.keep_values = False         # observation: no temporary shares memory with another
 
     # -- buffers --------------------------------------------------------------------------------
     def leaf(self, name: str) -> Buffer:
@@ -231,7 +232,7 @@ class Plan:
         slots: list[tuple[list[Buffer], int]] = []   # (members, last stage used)
         for buf in sorted(used, key=lambda b: (b.first, b.last)):
             for i, (members, last) in enumerate(slots):
-                if last < buf.first and _same_family(members[0], buf):
+                if last < buf.first and _same_family(members[0], buf) and not self.keep_values:
                     members.append(buf)
                     slots[i] = (members, buf.last)
                     break

@@ -1,0 +1,209 @@
+"""The LLVM backend as a backend: compile cache (memory, disk, corrupt entries), run-time dims
+without recompiling, thread counts, errors reported by kernels, bad leaves, observation of named
+values, barriers between dependent steps only, and the arena's reuse of memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamir.backends.base import BackendError
+from llamir.backends.llvm import LLVMBackend
+from llamir.backends.llvm.target import host_target, restricted_target
+from llamir.ir import F16, F32, I32, GraphBuilder, Interpreter, ops, run_graph
+
+rng = np.random.default_rng(3)
+
+
+def _graph(n: int = 24):
+    b = GraphBuilder("g", dims=["T"])
+    x, w = b.input("x", ["T", n], F32), b.weight("w", [n], F32)
+    h = b.op(ops.RmsNormMul(eps=1e-5), x, w, name="norm")
+    y = b.silu(b.mul_mat(b.weight("m", [16, n], F16), h), name="act")
+    b.output("y", y)
+    return b.graph
+
+
+def _values(T: int, n: int = 24):
+    return {"x": rng.standard_normal((T, n)).astype(np.float32), "w": rng.standard_normal(n).astype(np.float32),
+            "m": rng.standard_normal((16, n)).astype(np.float16)}
+
+
+def test_run_time_dims_reuse_one_executable(llvm_backend):
+    g = _graph()
+    exe = llvm_backend.compile(g)
+    for T in (1, 7, 3, 64):
+        values = _values(T)
+        np.testing.assert_array_equal(exe(values, {"T": T})["y"], run_graph(g, values, {"T": T})["y"])
+
+
+def test_memory_and_disk_cache(tmp_path):
+    g = _graph(40)
+    first = LLVMBackend(n_threads=1, cache_dir=tmp_path)
+    first.compile(g)
+    assert first.compile_stats.cache.startswith("miss")
+    first.compile(g)
+    assert first.compile_stats.cache == "hit"
+    assert any(tmp_path.glob("*.o"))
+    LLVMBackend._shared_caches.clear()                  # a new process: only the disk remains
+    second = LLVMBackend(n_threads=1, cache_dir=tmp_path)
+    exe = second.compile(g)
+    assert second.compile_stats.cache == "hit"
+    values = _values(5, 40)
+    np.testing.assert_array_equal(exe(values, {"T": 5})["y"], run_graph(g, values, {"T": 5})["y"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_corrupt_cache_entries_are_discarded_and_rebuilt(tmp_path, damage):
+    g = _graph(48)
+    LLVMBackend(n_threads=1, cache_dir=tmp_path).compile(g)
+    for path in tmp_path.glob("*.o"):
+        data = bytearray(path.read_bytes())
+        if damage == "truncate":
+            data = data[: len(data) // 2]
+        elif damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        else:
+            data = bytearray(b"not an object file")
+        path.write_bytes(bytes(data))
+    LLVMBackend._shared_caches.clear()
+    backend = LLVMBackend(n_threads=1, cache_dir=tmp_path)
+    exe = backend.compile(g)
+    assert backend.cache.rejected > 0 and backend.compile_stats.cache.startswith("miss")
+    values = _values(3, 48)
+    np.testing.assert_array_equal(exe(values, {"T": 3})["y"], run_graph(g, values, {"T": 3})["y"])
+    LLVMBackend._shared_caches.clear()
+    again = LLVMBackend(n_threads=1, cache_dir=tmp_path)
+    again.compile(g)
+    assert again.cache.rejected == 0 and again.compile_stats.cache == "hit"   # the rebuilt entries are good
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_thread_counts_give_identical_results(n_threads):
+    g = _graph()
+    backend = LLVMBackend(n_threads=n_threads, disk_cache=False)
+    values = _values(9)
+    got = backend.compile(g)(values, {"T": 9})["y"]
+    np.testing.assert_array_equal(got, run_graph(g, values, {"T": 9})["y"])
+    backend.close()
+
+
+def test_avx2_code_paths_on_this_host():
+    """The same kernels compiled without AVX-512 (8-lane hardware, no VNNI)."""
+    target = restricted_target(host_target(), ("avx512", "avxvnni"))
+    assert not target.avx512 and not target.vnni
+    backend = LLVMBackend(n_threads=2, target=target, disk_cache=False)
+    b = GraphBuilder("g", dims=["T"])
+    x = b.input("x", ["T", 64], F32)
+    from llamir.ir import Q4_0, Q8_0, quants
+
+    b.output("a", b.mul_mat(b.weight("q4", [32, 64], Q4_0), x))
+    b.output("b", b.silu(b.mul_mat(b.weight("q8", [24, 64], Q8_0), x)))
+    values = {"x": rng.standard_normal((5, 64)).astype(np.float32),
+              "q4": quants.quantize(rng.standard_normal((32, 64)).astype(np.float32), Q4_0),
+              "q8": quants.quantize(rng.standard_normal((24, 64)).astype(np.float32), Q8_0)}
+    got = backend.compile(b.graph)(values, {"T": 5})
+    want = run_graph(b.graph, values, {"T": 5})
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    backend.close()
+
+
+def test_out_of_range_index_is_an_error_not_a_wild_read(llvm_backend):
+    b = GraphBuilder("g", dims=["T"])
+    w = b.weight("w", [10, 8], F32)
+    b.output("y", b.get_rows(w, b.input("i", ["T"], I32), name="gather"))
+    exe = llvm_backend.compile(b.graph)
+    values = {"w": np.ones((10, 8), np.float32), "i": np.array([1, 10, 2], np.int32)}
+    with pytest.raises(BackendError, match=r"index 10 is out of range.*get_rows"):
+        exe(values, {"T": 3})
+    values["i"] = np.array([1, 9, 2], np.int32)
+    assert exe(values, {"T": 3})["y"].shape == (3, 8)     # the executable is still usable
+
+
+def test_leaf_errors_name_the_leaf(llvm_backend):
+    exe = llvm_backend.compile(_graph())
+    values = _values(4)
+    with pytest.raises(BackendError, match="no value for .*'m'"):
+        exe({k: v for k, v in values.items() if k != "m"}, {"T": 4})
+    with pytest.raises(BackendError, match=r"input 'x': expected storage \(5, 24\)"):
+        exe(values, {"T": 5})
+    with pytest.raises(BackendError, match="dim 'T' has no value"):
+        exe(values, {})
+    bad = dict(values, w=values["w"].astype(np.float64))
+    with pytest.raises(BackendError, match="weight 'w'"):
+        exe(bad, {"T": 4})
+
+
+def test_non_contiguous_inputs_are_copied_and_state_must_be_contiguous(llvm_backend):
+    g = _graph()
+    exe = llvm_backend.compile(g)
+    values = _values(4)
+    strided = np.asfortranarray(values["x"])
+    got = exe(dict(values, x=strided), {"T": 4})["y"]
+    np.testing.assert_array_equal(got, run_graph(g, values, {"T": 4})["y"])
+    b = GraphBuilder("g2", dims=["T"])
+    cache = b.state("c", [8, 4], F32)
+    b.set_rows(cache, b.input("s", ["T", 4], F32), b.input("i", ["T"], I32))
+    b.output("y", b.scale(b.input("z", [1], F32), 1.0))
+    exe2 = llvm_backend.compile(b.graph)
+    with pytest.raises(BackendError, match="state 'c' must be C-contiguous"):
+        exe2({"c": np.zeros((4, 8), np.float32).T, "s": np.ones((1, 4), np.float32), "i": np.array([0], np.int32),
+              "z": np.ones(1, np.float32)}, {"T": 1})
+
+
+def test_observe_sees_every_named_value_in_order_and_can_stop(llvm_backend):
+    g = _graph()
+    exe = llvm_backend.compile(g)
+    values = _values(3)
+    expected = {}
+    Interpreter().run(g, values, {"T": 3}, observe=lambda n, v: expected.setdefault(n.name, v.copy()) is not None)
+    seen = []
+
+    def watch(node, value):
+        seen.append(node.name)
+        np.testing.assert_array_equal(value, expected[node.name])
+        return True
+
+    exe(values, {"T": 3}, observe=watch)
+    assert seen == ["norm", "act"]
+    stopped = []
+    exe(values, {"T": 3}, observe=lambda n, v: stopped.append(n.name) or False)
+    assert stopped == ["norm"]
+
+
+def test_row_wise_chains_share_a_stage_and_temporaries_share_memory(llvm_backend):
+    """add -> rms_norm*w -> silu run without barriers between them (each thread keeps its rows);
+    a matmul needs one before it reads activations; temporaries of far-apart stages overlap."""
+    from llamir.backends.llvm.lowering import Lowerer
+    from llamir.passes.pipeline import run_pipeline
+
+    b = GraphBuilder("g", dims=["T"])
+    x, w = b.input("x", ["T", 32], F32), b.weight("w", [32], F32)
+    h = x
+    for i in range(3):
+        h = b.mul(b.rms_norm(b.add(h, x), 1e-5), w)
+        h = b.mul_mat(b.weight(f"m{i}", [32, 32], F32), b.silu(h))
+    b.output("y", h)
+    g = b.graph
+    run_pipeline(g, "fuse-rms-norm,dce")
+    plan = Lowerer(g, llvm_backend.target).run()
+    kinds = [(type(s.kernel).__name__, s.stage) for s in plan.steps]
+    first_mm = next(i for i, (k, _) in enumerate(kinds) if k == "MatMulFloat")
+    pre = {stage for _, stage in kinds[:first_mm]}
+    assert len(pre) == 1 and kinds[first_mm][1] == kinds[0][1] + 1
+    offsets = [t.offset for t in plan.temps if t.first >= 0]
+    assert len(set(offsets)) < len(offsets)              # some temporaries reuse arena bytes
+
+
+def test_supports_op_refuses_what_it_cannot_lower(llvm_backend):
+    b = GraphBuilder("g")
+    x = b.input("x", [4, 256], F32)
+    from llamir.ir import Q4_K
+
+    q = b.cast(x, Q4_K)                   # no reference quantizer for K-quants in the kernels
+    b.output("y", q)
+    node = b.graph.nodes[-1]
+    assert not llvm_backend.supports_op(node)
+    with pytest.raises(BackendError, match="cannot run: cpy"):
+        llvm_backend.compile(b.graph)
