@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -19,7 +20,7 @@ from llamir.backends.llvm.codegen import (
     kernel_module,
     kernel_symbol,
 )
-from llamir.backends.llvm.compiler import optimize_and_emit
+from llamir.backends.llvm.compiler import CodegenError, optimize_and_emit
 from llamir.backends.llvm.executable import CompiledSplit
 from llamir.backends.llvm.lowering import Lowerer, supported
 from llamir.backends.llvm.runtime import ThreadPool, load_object
@@ -74,13 +75,25 @@ class LLVMBackend(Backend):
             directory = None
         self.cache = LLVMBackend._shared_caches.setdefault(str(directory), CompileCache(directory))
         self._pool: ThreadPool | None = None
+        self._executables: weakref.WeakSet = weakref.WeakSet()
         self.compile_stats = CompileStats()
 
     @property
     def pool(self) -> ThreadPool:
-        if self._pool is None:
+        if self._pool is None or self._pool.n_threads != self.n_threads or self._pool._pid != os.getpid():
             self._pool = ThreadPool(self.n_threads, self.target)
+            for exe in list(self._executables):
+                exe.pool = self._pool
         return self._pool
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """ggml_backend_cpu_set_n_threads: later runs use `n_threads` (compiled code is unchanged;
+        the thread count is a run-time value)."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        if n_threads != self.n_threads:
+            self.n_threads = n_threads
+            _ = self.pool
 
     def supports_op(self, node: Node) -> bool:
         if node.is_op(ops.SoftMaxAttn):   # decomposed (unfuse-attention) before lowering
@@ -88,6 +101,13 @@ class LLVMBackend(Backend):
         return supported(node, self.target)
 
     def compile(self, graph: Graph, observe_variant: bool = False) -> CompiledSplit:
+        """The split as native code (see the package docstring); BackendError for what it cannot run."""
+        try:
+            return self._compile(graph, observe_variant)
+        except (CodegenError, ValueError, KeyError) as err:
+            raise BackendError(f"llvm backend cannot compile {graph.name}: {type(err).__name__}: {err}") from err
+
+    def _compile(self, graph: Graph, observe_variant: bool = False) -> CompiledSplit:
         unsupported = [n for n in graph.nodes if not n.op.is_view and not self.supports_op(n)]
         if unsupported:
             names = ", ".join(sorted({n.op.name for n in unsupported}))
@@ -128,8 +148,10 @@ class LLVMBackend(Backend):
         self.compile_stats = stats
         log.info("llvm: compiled %s (%d steps, %d stages, %d kernels, %s) in %.2fs", graph.name, stats.n_steps,
                  stats.n_stages, stats.n_kernels, stats.cache, stats.total_s)
-        debug = None if observe_variant else (lambda: self.compile(graph, observe_variant=True))
-        return CompiledSplit(g, plan, FrameLayout.of(plan), addrs, tracker, self.pool, debug)
+        debug = None if observe_variant else (lambda: self._compile(graph, observe_variant=True))
+        exe = CompiledSplit(g, plan, FrameLayout.of(plan), addrs, tracker, self.pool, debug)
+        self._executables.add(exe)
+        return exe
 
     def _kernel_objects(self, kernels, stats: CompileStats) -> tuple[list[bytes], int]:
         """Object code of each kernel: from the cache, or compiled (in parallel: LLVM runs

@@ -65,14 +65,12 @@ class CompiledSplit:
         self.graph = graph
         self.plan = plan
         self.layout = layout
-        self.pool = pool
         self._tracker = tracker           # keeps the code loaded
         self._entry = addrs["llamir_split"]
         self._arena_size = _ARENA_SIZE(addrs["llamir_arena_size"])
         self._debug_factory = debug
         self._debug: CompiledSplit | None = None
         self.frame = np.zeros(layout.size, dtype=np.int64)
-        self.frame[N_THREADS] = pool.n_threads
         self._frame_ptr = self.frame.ctypes.data
         self.arena = np.zeros(0, dtype=np.uint8)
         self._arena_cap = 0
@@ -92,6 +90,7 @@ class CompiledSplit:
         self._inputs = [x for x in self._leaves if not (x.concrete and x.kind != "input")]
         self._arena_sizes: dict[tuple, int] = {}
         self._dims_key: tuple = ()
+        self.pool = pool
         self._packed = {}    # leaf name -> [(slot, format)]
         for name, buf in plan.packed.items():
             leaf_name, fmt = buf.source
@@ -100,6 +99,17 @@ class CompiledSplit:
         for name, node in graph.outputs.items():
             self._outputs.append(_Output(name, layout.outputs[name], _storage_dims(node),
                                          storage_dtype(node.dtype), node))
+
+    @property
+    def pool(self) -> ThreadPool:
+        return self._pool
+
+    @pool.setter
+    def pool(self, pool: ThreadPool) -> None:
+        """Run on `pool` from now on (per-thread scratch follows its thread count)."""
+        self._pool = pool
+        self.frame[N_THREADS] = pool.n_threads
+        self._arena_sizes = {}
 
     def __call__(self, leaf_values: Mapping[str, np.ndarray], bindings: Mapping[str, int],
                  observe: Callable[[Node, np.ndarray], bool] | None = None) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import os
 import threading
 import weakref
 
@@ -265,10 +266,14 @@ class ThreadPool:
             t.start()
         self._finalizer = weakref.finalize(self, _stop, self._run, self._state, self._state_ptr,
                                            self._threads, self._tracker)
+        self._pid = os.getpid()
 
     def run(self, fn_addr: int, frame_ptr: int, n_threads: int | None = None) -> None:
         """Run `fn_addr` (a compiled split) on `frame_ptr` with all threads; returns when done.
         The caller holds `lock` (one run at a time per pool)."""
+        if self._pid != os.getpid():
+            raise RuntimeError("this thread pool was created in another process (after fork, create a new "
+                               "backend or call close() and use it again)")
         nth = self.n_threads if n_threads is None else max(1, min(n_threads, self.n_threads))
         if nth == 1:   # no workers to wake: run the split on this thread alone
             fn = self._direct.get(fn_addr)

@@ -207,3 +207,16 @@ def test_supports_op_refuses_what_it_cannot_lower(llvm_backend):
     assert not llvm_backend.supports_op(node)
     with pytest.raises(BackendError, match="cannot run: cpy"):
         llvm_backend.compile(b.graph)
+
+
+def test_set_n_threads_keeps_compiled_code():
+    g = _graph()
+    backend = LLVMBackend(n_threads=1, disk_cache=False)
+    exe = backend.compile(g)
+    values = _values(6)
+    want = run_graph(g, values, {"T": 6})["y"]
+    np.testing.assert_array_equal(exe(values, {"T": 6})["y"], want)
+    backend.set_n_threads(3)
+    assert exe.pool.n_threads == 3
+    np.testing.assert_array_equal(exe(values, {"T": 6})["y"], want)
+    backend.close()
