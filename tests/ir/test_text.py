@@ -89,6 +89,12 @@ def every_op_graph() -> GraphBuilder:
     b.output("sum", b.op(ops.Sum(), q8_out))
     b.output("order", b.argsort(b.cont(b.reshape(moe, T, 8)), descending=True))
     b.output("top", b.top_k(b.cont(b.reshape(moe, T, 8)), 3))
+    # the fused ops passes/fusion.py forms
+    fw = b.weight("fw", [16], F32)
+    b.output("rms_mul", b.op(ops.OPS["rms_norm_mul"](eps=1e-5), h, fw))
+    b.output("ln", b.op(ops.OPS["norm_mul_add"](eps=1e-5), h, fw, b.weight("fb", [16], F32)))
+    vt = b.cont(b.transpose(k4))                                                    # [1, 2, 8, n_kv]
+    b.output("attn2", b.op(ops.OPS["soft_max_attn"](scale=0.35), q4, k4, vt, b.cast(mask, F32)))
     return b
 
 
