@@ -134,7 +134,7 @@ class LLVMBackend(Backend):
             t2 = time.perf_counter()
             module = builder.build()
             t3 = time.perf_counter()
-            entry_obj = optimize_and_emit(module, self.target, speed_level=2)
+            entry_obj = optimize_and_emit(module, self.target, speed_level=1)
             self.cache.put(entry_key, entry_obj)
             stats.codegen_s += t3 - t2
             stats.llvm_s += time.perf_counter() - t3

@@ -82,7 +82,8 @@ class CompileCache:
         except OSError:
             return None
         head = len(MAGIC) + 32
-        if len(data) < head or data[:len(MAGIC)] != MAGIC or hashlib.sha256(data[head:]).digest() != data[len(MAGIC):head]:
+        digest = data[len(MAGIC):head]
+        if len(data) < head or data[:len(MAGIC)] != MAGIC or hashlib.sha256(data[head:]).digest() != digest:
             self.rejected += 1
             log.warning("llvm compile cache: discarding corrupt entry %s", path)
             try:

@@ -69,6 +69,7 @@ def emit_barrier(module: ir.Module, target: Target) -> ir.Function:
         return module.globals[name]
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I32]), name)
     fn.linkage = "internal"
+    fn.attributes.add("noinline")   # called between every two stages; one copy is enough
     state, nth = fn.args
     em = Emitter(module, fn, target)
     b = em.b

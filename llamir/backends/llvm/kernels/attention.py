@@ -195,7 +195,7 @@ class FlashAttn(Kernel):
 
     # -- fewer than 64 rows: the heads of a token together, cell by cell ----------------------------------
     def _rows(self, em: Emitter, a) -> None:
-        b, d = em.b, self.d
+        d = self.d
         _, k_dt, v_dt, _ = self.dtypes
         S_, H, T, DK, DV = d["S"], d["H"], d["T"], d["DK"], d["DV"]
         acc_dt = "f16" if v_dt == "f16" else "f32"
@@ -285,7 +285,7 @@ class FlashAttn(Kernel):
 
     # -- 64 rows or more: ggml's tiles ------------------------------------------------------------------------
     def _tiled(self, em: Emitter, a) -> None:
-        b, d = em.b, self.d
+        d = self.d
         S_, H, T, DK, DV = d["S"], d["H"], d["T"], d["DK"], d["DV"]
         kv_dt = self.dtypes[1]
         q_tiles = em.cdiv(T, TILE)

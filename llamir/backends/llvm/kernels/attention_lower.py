@@ -9,7 +9,6 @@ from llamir.backends.llvm.lowering import Lowerer, lowering
 from llamir.ir import Node, ops
 from llamir.ir.interp_nn import alibi_slopes
 
-
 KV_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 

@@ -199,7 +199,6 @@ class MatMulQDirect(Kernel):
         return (self.fmt, self.K, self.dtype)
 
     def emit(self, em: Emitter, a) -> None:
-        b = em.b
         yshape, ystr = a.ints[0:4], a.ints[4:7]
         ash, astr = a.ints[7:9], a.ints[9:12]
         N, M = yshape[2], yshape[3]
