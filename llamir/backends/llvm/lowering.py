@@ -157,11 +157,11 @@ class Lowerer:
 
 
 # Kernel modules register their lowerings on import.
-from llamir.backends.llvm.kernels import (
-    attention_lower,  # noqa: E402,F401
-    elementwise_lower,  # noqa: E402,F401
-    gather_lower,  # noqa: E402,F401
-    matmul_lower,  # noqa: E402,F401
-    rope_lower,  # noqa: E402,F401
-    rows_lower,  # noqa: E402,F401
+from llamir.backends.llvm.kernels import (  # noqa: E402,F401
+    attention_lower,
+    elementwise_lower,
+    gather_lower,
+    matmul_lower,
+    rope_lower,
+    rows_lower,
 )
