@@ -317,7 +317,7 @@ class Context:
     # -- memory -----------------------------------------------------------------------------------
     def memory_update(self) -> bool:
         """Apply pending K-shifts and stream copies (llama_memory_update); True if any ran."""
-        return self._updater.update(self.memory)
+        return self.memory.init_update(self).apply()
 
     # -- outputs ----------------------------------------------------------------------------------
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 
@@ -40,6 +41,64 @@ def is_masked_swa(n_swa: int, swa_type: str, p0, p1):
     if swa_type == "symmetric":
         return np.abs(p1 - p0) > n_swa // 2
     return np.zeros(np.broadcast(p0, p1).shape, dtype=bool) if np.ndim(p0) or np.ndim(p1) else False
+
+
+class Memory(Protocol):
+    """llama_memory_i: what a context needs from its memory. KVCache and KVCacheISWA implement it."""
+
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool): ...
+    def init_full(self): ...
+    def init_update(self, ctx) -> UpdateContext: ...
+    def get_can_shift(self) -> bool: ...
+    def clear(self, data: bool = True) -> None: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def seq_keep(self, seq_id: int) -> None: ...
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None: ...
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+    def seq_pos_min(self, seq_id: int) -> int: ...
+    def seq_pos_max(self, seq_id: int) -> int: ...
+    def state_write(self, writer, seq_id: int = -1, flags: int = 0) -> None: ...
+    def state_read(self, reader, seq_id: int = -1, flags: int = 0) -> None: ...
+
+
+@dataclass
+class UpdateContext:
+    """init_update's result: NO_UPDATE when nothing is pending; apply() runs the K-shift and the
+    queued stream copies through the context's backend (llama_kv_cache::update)."""
+
+    memory: object
+    ctx: object
+    status: MemoryStatus
+
+    def apply(self) -> bool:
+        return self.ctx._updater.update(self.memory) if self.status == MemoryStatus.SUCCESS else False
+
+
+def _init_update(memory, ctx) -> UpdateContext:
+    pending = memory.has_pending_update()
+    return UpdateContext(memory, ctx, MemoryStatus.SUCCESS if pending else MemoryStatus.NO_UPDATE)
+
+
+def _state_write(memory, writer, seq_id: int = -1, flags: int = 0) -> None:
+    from llamir.context import state
+
+    for cache in state.caches_of(memory, flags):
+        state.write_cache(writer, cache, seq_id)
+
+
+def _state_read(memory, reader, seq_id: int = -1, flags: int = 0) -> None:
+    """Parse every cache's part first, then apply: a bad blob raises StateError, nothing changed."""
+    from llamir.context import state
+
+    staged = [(cache, state.read_cache(reader, cache, seq_id)) for cache in state.caches_of(memory, flags)]
+    if seq_id != -1:
+        for cache, streams in staged:
+            state.check_seq_fits(cache, streams, seq_id)
+    for cache, streams in staged:
+        if seq_id != -1 and all(st is None for st in streams):
+            cache.seq_rm(seq_id, -1, -1)
+        state.apply_cache(cache, streams, seq_id)
 
 
 @dataclass
@@ -229,6 +288,10 @@ class KVCache:
 
     def get_can_shift(self) -> bool:
         return True
+
+    init_update = _init_update
+    state_write = _state_write
+    state_read = _state_read
 
     def has_pending_update(self) -> bool:
         return bool(self.pending_copies) or any(c.has_shift for c in self.v_cells)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamir.context.batch import BatchAllocator, UBatch
-from llamir.context.kv_cache import KVCache, KVCacheContext, MemoryStatus
+from llamir.context.kv_cache import (
+    KVCache, KVCacheContext, MemoryStatus, _init_update, _state_read, _state_write,
+)
 from llamir.context.params import pad
 from llamir.frontend.hparams import HParams
 from llamir.ir import DType
@@ -70,6 +72,10 @@ class KVCacheISWA:
 
     def get_can_shift(self) -> bool:
         return self.base.kv_size == self.swa.kv_size
+
+    init_update = _init_update
+    state_write = _state_write
+    state_read = _state_read
 
     def has_pending_update(self) -> bool:
         return self.base.has_pending_update() or self.swa.has_pending_update()

@@ -311,8 +311,7 @@ def write_state(ctx) -> bytes:
     embd = out.embd[:n_outputs] if out.has_embd else np.zeros((0,), np.float32)
     w.pack("Q", embd.size)
     w.raw(embd.astype(np.float32))
-    for cache in caches_of(ctx.memory):
-        write_cache(w, cache)
+    ctx.memory.state_write(w)
     return w.getvalue()
 
 
@@ -357,8 +356,7 @@ def read_state(ctx, data: bytes) -> int:
 
 def write_seq_state(ctx, seq_id: int, flags: int = 0) -> bytes:
     w = Writer()
-    for cache in caches_of(ctx.memory, flags):
-        write_cache(w, cache, seq_id)
+    ctx.memory.state_write(w, seq_id, flags)
     return w.getvalue()
 
 

@@ -90,6 +90,8 @@ class SynthSpec:
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
     seed: int = 0
+    rope_scaling: str | None = None    # "linear" | "yarn": write rope.scaling.* keys (factor below)
+    rope_scaling_factor: float = 4.0
     sliding_window: int | None = None  # gemma3: the window of its SWA layers (every layer but each 6th)
     swa_pattern: int = 6               # gemma3: one global layer every swa_pattern layers
 
@@ -168,6 +170,10 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
         w.add_key_length(spec.n_embd_head)
         w.add_value_length(spec.n_embd_head)
     w.add_vocab_size(spec.n_vocab)
+    if spec.rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling))
+        w.add_rope_scaling_factor(spec.rope_scaling_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.n_ctx_train // 4)
     if spec.arch == "gemma3":
         w.add_key_length(spec.n_embd_head)
         w.add_value_length(spec.n_embd_head)

@@ -118,3 +118,25 @@ def test_f32_kv_cache_and_flash_attention_match(model_dir, nmse, dtype):
     assert err32 <= tolerance
     err_fa = nmse(_ours(model, "batch", flash_attn="on"), _theirs(path, "batch", flash_attn=True))
     assert err_fa <= tolerance
+
+
+@pytest.mark.parametrize("scaling", ["yarn", "linear"])
+def test_rope_scaling_matches_llama_cpp(tmp_path, nmse, scaling):
+    """YaRN (with seed 000's attention-factor correction) and linear scaling from the model's keys."""
+    path = write_model(tmp_path / f"{scaling}.gguf", SynthSpec(arch="qwen2", rope_scaling=scaling, n_ctx_train=8192))
+    model = llamir.load_model(path)
+    assert model.hparams.rope_scaling_type_train == scaling and model.hparams.rope_freq_scale_train == 0.25
+    err = nmse(_ours(model, "batch"), _theirs(path, "batch"))
+    assert err <= 0.5 * _llama_cpp_spread(path)
+    if EXACT:
+        assert err == 0.0
+
+
+def test_gemma3_sliding_window_matches_llama_cpp(tmp_path, nmse):
+    """An iSWA model: window layers use their own cache, mask and rope base."""
+    path = write_model(tmp_path / "g3.gguf", SynthSpec(arch="gemma3", n_layer=7, sliding_window=8))
+    model = llamir.load_model(path)
+    assert model.hparams.swa_layers == (True,) * 5 + (False, True)
+    for mode in ("batch", "incremental"):
+        err = nmse(_ours(model, mode), _theirs(path, mode))
+        assert err <= 0.5 * _llama_cpp_spread(path), mode
