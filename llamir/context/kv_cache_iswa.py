@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 from llamir.context.batch import BatchAllocator, UBatch
 from llamir.context.kv_cache import (
-    KVCache, KVCacheContext, MemoryStatus, _init_update, _state_read, _state_write,
+    KVCache,
+    KVCacheContext,
+    MemoryStatus,
+    _init_update,
+    _state_read,
+    _state_write,
 )
 from llamir.context.params import pad
 from llamir.frontend.hparams import HParams
