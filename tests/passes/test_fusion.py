@@ -87,7 +87,7 @@ def tiny_model(tmp_path_factory):
 
 def test_model_graph_golden_and_numbers(tiny_model, golden):
     ctx = llamir.Context(tiny_model, n_ctx=64, n_batch=16, n_ubatch=16, flash_attn="off")
-    graph, _ = ctx._compiled_graph(ctx.graph_config(True))
+    graph = ctx.compiled_graph(ctx.graph_config(True)).graph
     fused = parse_graph(print_graph(graph))
     assert run_pipeline(fused, "cse,fuse,dce", verify_each=True)
     golden("passes/fuse_llama_q4_0.ir", print_graph(fused))

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import (
-    ROPE_NORM,
-    ArchError,
-    Architecture,
-    decoder_specs,
-    register_arch,
-    require_rms_eps,
-)
+from llamir.frontend.arch.base import ROPE_NORM, Architecture, ArchError, decoder_specs, register_arch, \
+    require_rms_eps
 
 
 @register_arch
@@ -27,11 +21,17 @@ class Llama(Architecture):
     def tensor_specs(self, hp):
         return decoder_specs(hp)
 
+    def kq_scale(self, hp) -> float:
+        return hp.f_attention_scale or 1.0 / math.sqrt(hp.n_embd_head_v)
+
+    def rope_qk(self, g, il: int, q, k):
+        """Rotary embedding of q and k [T, H(kv), d]; llama 3 divides the angles by rope_freqs."""
+        factors = g.w_opt("rope_freqs.weight")
+        return (g.rope(q, self.rope_type, il, factors, name=("Qcur", il)),
+                g.rope(k, self.rope_type, il, factors, name=("Kcur", il)))
+
     def build(self, g) -> None:
         hp, b = g.hp, g.b
-        head_dim = hp.n_embd_head_v
-        kq_scale = hp.f_attention_scale or 1.0 / math.sqrt(head_dim)
-        rope_factors = g.w_opt("rope_freqs.weight")
         x = g.inp_embd()                                                               # [T, E]
         out_ids = g.inp_out_ids()                                                      # [n_out]
         for il in range(hp.n_layer):
@@ -39,10 +39,9 @@ class Llama(Architecture):
             residual = x
             cur = g.norm(x, g.w(p + "attn_norm.weight"), name=("attn_norm", il))      # [T, E]
             q, k, v = g.qkv(il, cur)                                                   # [T, H(kv), d]
-            q = g.rope(q, self.rope_type, il, rope_factors, name=("Qcur", il))
-            k = g.rope(k, self.rope_type, il, rope_factors, name=("Kcur", il))
+            q, k = self.rope_qk(g, il, q, k)
             cur = g.attn(il, q, k, v, g.w(p + "attn_output.weight"), g.w_opt(p + "attn_output.bias"),
-                         kq_scale)                                                     # [T, E]
+                         self.kq_scale(hp))                                            # [T, E]
             if il == hp.n_layer - 1:  # only the rows that produce outputs go on
                 cur = b.get_rows(cur, out_ids)                                        # [n_out, E]
                 residual = b.get_rows(residual, out_ids)
