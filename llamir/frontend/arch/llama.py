@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import ROPE_NORM, Architecture, ArchError, decoder_specs, register_arch, \
-    require_rms_eps
+from llamir.frontend.arch.base import ROPE_NORM, ArchError, Architecture, decoder_specs, register_arch, require_rms_eps
 
 
 @register_arch
