@@ -7,8 +7,8 @@ expressions once, and calls the kernels stage by stage with a barrier between st
 
 Frame slots: 0 arena, 1 error code, 2 error detail, 3 error site, 4 thread count, 5 a profile
 buffer (or 0), then the dims, the leaf pointers and the output pointers (see FrameLayout).
-With a profile buffer, thread 0 records the cycle counter at the start, after each step and after
-each barrier: [start, step 0.., barrier 1..].
+With a profile buffer, each thread records the cycle counter at the start, after each step and
+after each barrier, in its own row: [start, step 0.., barrier 1..].
 """
 
 from __future__ import annotations
@@ -142,13 +142,14 @@ class ModuleBuilder:
         ith64 = em.b.zext(ith, I64)
         b = em.b
         prof = em.load(PTR, frame, PROFILE * 8, align=8)
-        recording = b.and_(b.icmp_unsigned("!=", b.ptrtoint(prof, I64), ir.Constant(I64, 0)),
-                           b.icmp_signed("==", ith, ir.Constant(I32, 0)))
+        recording = b.icmp_unsigned("!=", b.ptrtoint(prof, I64), ir.Constant(I64, 0))
         n_steps = len(self.plan.steps)
+        n_slots = 2 + n_steps + self.plan.n_stages
+        mine = em.gep(prof, em.mul(ith64, n_slots * 8))      # each thread its own row of stamps
 
         def stamp(slot: int) -> None:
             with em.if_(recording):
-                em.store(em.intrinsic("llvm.readcyclecounter", I64, []), prof, slot * 8, align=8)
+                em.store(em.intrinsic("llvm.readcyclecounter", I64, []), mine, slot * 8, align=8)
 
         stamp(0)
         index = {id(s): i for i, s in enumerate(self.plan.steps)}

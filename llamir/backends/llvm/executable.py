@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -214,7 +214,7 @@ class CompiledSplit:
         """Run `runs` times with thread 0 stamping the cycle counter around every step and barrier;
         returns the median seconds per step and per barrier (see StepProfile)."""
         n_steps = len(self.plan.steps)
-        buf = np.zeros(2 + n_steps + self.plan.n_stages, dtype=np.int64)
+        buf = np.zeros((self.pool.n_threads, 2 + n_steps + self.plan.n_stages), dtype=np.int64)
         samples = []
         try:
             for _ in range(runs):
@@ -224,7 +224,8 @@ class CompiledSplit:
                 samples.append(buf.copy())
         finally:
             self.frame[PROFILE] = 0
-        return StepProfile.of(self.plan, np.median(np.stack(samples).astype(np.float64), axis=0))
+        stamps = np.median(np.stack(samples).astype(np.float64), axis=0)
+        return StepProfile.of(self.plan, stamps[0], [StepProfile.of(self.plan, row) for row in stamps[1:]])
 
     # -- observation -----------------------------------------------------------------------------
     def run_observed(self, leaf_values, bindings, observe) -> dict[str, np.ndarray]:
@@ -275,9 +276,10 @@ class StepProfile:
     steps: list[tuple[str, float]]     # (kernel class, seconds) in step order
     barriers: float
     total: float
+    others: list[StepProfile] = field(default_factory=list)   # the other threads' views
 
     @classmethod
-    def of(cls, plan: Plan, stamps: np.ndarray) -> StepProfile:
+    def of(cls, plan: Plan, stamps: np.ndarray, others: list | None = None) -> StepProfile:
         hz = tsc_hz()
         n = len(plan.steps)
         steps, barriers = [], 0.0
@@ -289,7 +291,7 @@ class StepProfile:
                 prev = after
             steps.append((type(step.kernel).__name__, (stamps[1 + i] - prev) / hz))
             prev = stamps[1 + i]
-        return cls(steps, barriers, (prev - stamps[0]) / hz)
+        return cls(steps, barriers, (prev - stamps[0]) / hz, others or [])
 
     def by_kernel(self) -> dict[str, float]:
         out: dict[str, float] = {}
