@@ -312,7 +312,7 @@ def tsc_hz() -> float:
         from llamir.backends.llvm.runtime import read_cycles
 
         c0, t0 = read_cycles(), time.perf_counter()
-        time.sleep(0.05)
+        time.sleep(0.02)
         c1, t1 = read_cycles(), time.perf_counter()
         _TSC_HZ = (c1 - c0) / (t1 - t0)
     return _TSC_HZ

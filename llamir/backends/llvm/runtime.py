@@ -8,7 +8,7 @@ no Python runs between ops. Idle workers spin briefly, then sleep on a futex (Li
 
 Pool state (one cache line per field, no false sharing):
     +0 generation   +64 pending workers   +128 barrier count   +192 barrier passed
-    +256 fn, +264 frame, +272 nth, +276 stop   +320 sleepers
+    +256 fn, +264 frame, +272 nth, +276 stop   +320 sleepers, +328 spin cycles
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import numpy as np
 from llamir.backends.llvm.emit import I32, I64, PTR, VOID, Emitter
 from llamir.backends.llvm.target import Target, host_target
 
-GEN, PENDING, BAR_COUNT, BAR_PASSED, FN, FRAME, NTH, STOP, SLEEPERS = 0, 64, 128, 192, 256, 264, 272, 276, 320
+GEN, PENDING, BAR_COUNT, BAR_PASSED, FN, FRAME, NTH, STOP, SLEEPERS, SPIN = 0, 64, 128, 192, 256, 264, 272, 276, 320, 328
 STATE_BYTES = 384
-SPIN_ITERATIONS = 1 << 14       # ~1 ms of pause loops before a worker sleeps
+SPIN_SECONDS = 0.003            # an idle worker spins this long (checked on the cycle counter), then sleeps
 YIELD_AFTER = 1 << 10           # pause loops before a barrier or join also yields the CPU
 SYS_FUTEX, FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 202, 128, 129
 
@@ -120,7 +120,7 @@ def _emit_worker(module: ir.Module, target: Target) -> None:
     outer = fn.append_basic_block("next")
     b.branch(outer)
     b.position_at_end(outer)
-    spins = em.var(I32, ir.Constant(I32, 0), "spins")
+    idle_since = em.var(I64, em.intrinsic("llvm.readcyclecounter", I64, []), "idle_since")
     wait = fn.append_basic_block("wait")
     work = fn.append_basic_block("work")
     b.branch(wait)
@@ -129,16 +129,17 @@ def _emit_worker(module: ir.Module, target: Target) -> None:
     idle = fn.append_basic_block("idle")
     b.cbranch(b.icmp_signed("==", now, em.get(seen)), idle, work)
     b.position_at_end(idle)
-    n = em.get(spins)
-    with em.if_else(b.icmp_signed("<", n, ir.Constant(I32, SPIN_ITERATIONS))) as (then, otherwise):
+    waited = b.sub(em.intrinsic("llvm.readcyclecounter", I64, []), em.get(idle_since))
+    spin_cycles = em.load(I64, state, SPIN, align=8)
+    with em.if_else(b.icmp_unsigned("<", waited, spin_cycles)) as (then, otherwise):
         with then:
             _pause(em)
-            em.set(spins, b.add(n, ir.Constant(I32, 1)))
         with otherwise:
             sleepers = _field(em, state, SLEEPERS)
             b.atomic_rmw("add", sleepers, ir.Constant(I32, 1), "seq_cst")
             _futex(em, gen_ptr, FUTEX_WAIT_PRIVATE, em.get(seen))
             b.atomic_rmw("sub", sleepers, ir.Constant(I32, 1), "seq_cst")
+            em.set(idle_since, em.intrinsic("llvm.readcyclecounter", I64, []))
     b.branch(wait)
     b.position_at_end(work)
     em.set(seen, now)
@@ -259,6 +260,10 @@ class ThreadPool:
         self._state = np.zeros(STATE_BYTES + 64, dtype=np.uint8)
         base = self._state.ctypes.data
         self._state_ptr = base + (-base % 64)
+        from llamir.backends.llvm.executable import tsc_hz
+
+        spin = int(SPIN_SECONDS * tsc_hz())
+        self._state.view(np.int64)[(self._state_ptr - base + SPIN) // 8] = spin
         self.lock = threading.Lock()
         self._direct: dict[int, object] = {}
         self._threads = [threading.Thread(target=worker, args=(self._state_ptr, i), daemon=True,
