@@ -402,11 +402,11 @@ class FlashAttn(Kernel):
         skip = em.var(ir.IntType(64), em.i64(0))   # bit i: row i has no live cell in this tile
         with em.loop(0, rows, name="sm") as i:
             row = em.gep(KQ, em.mul(em.mul(i, TILE), 4))
-            mx = em.var(F32, ninf)
-            with em.loop(0, TILE, name="max") as j:
-                x = em.load(F32, row, em.mul(j, 4))
-                em.set(mx, b.select(b.fcmp_ordered(">", x, em.get(mx)), x, em.get(mx)))
-            tile_max = em.get(mx)
+            vm = em.load(vt, row, 0)
+            for r in range(1, TILE // LANES):
+                x = em.load(vt, row, r * LANES * 4)
+                vm = b.select(b.fcmp_ordered(">", x, vm), x, vm)
+            tile_max = em.reduce_fmax(vm)
             dead = b.fcmp_ordered("==", tile_max, ninf)
             with em.if_else(dead) as (then, otherwise):
                 with then:
@@ -435,15 +435,35 @@ class FlashAttn(Kernel):
             dst = em.gep(V32, em.mul(em.mul(j, DV), 4))
             chunked(em, DV, lambda k, lanes, vrow=vrow, dst=dst: _vstore(
                 em, _vload(em, vrow, k, kv_dt, lanes), dst, k, "f32"))
-        # VKQ[i][:] += sum_j KQ[i][j] * V32[j][:], four live rows at a time (dead rows: p = 0)
+        # VKQ[i][:] += sum_j KQ[i][j] * V32[j][:] (dead rows keep VKQ); with a static DV all of a
+        # few rows' accumulators stay in registers, so each V vector is loaded once per row group
+        static = isinstance(DV, int) and DV % LANES == 0 and DV // LANES <= 8
+        nv = DV // LANES if static else 0
+        group = max(1, 16 // nv) if static else 4
+        group = min(group, 4)
+
         def pv_rows(i0, n_rows: int) -> None:
             masks = [b.icmp_unsigned("==", b.and_(b.lshr(em.get(skip), em.add(i0, ii)), em.i64(1)), em.i64(0))
                      for ii in range(n_rows)]
+            outs = [em.gep(VKQ, em.mul(em.mul(em.add(i0, ii), DV), 4)) for ii in range(n_rows)]
+            prows = [em.gep(KQ, em.mul(em.mul(em.add(i0, ii), TILE), 4)) for ii in range(n_rows)]
+            if static:
+                accs = [[em.var(vt, em.load(vt, outs[ii], c * LANES * 4)) for c in range(nv)] for ii in range(n_rows)]
+                with em.loop(0, kvt, name="vj") as j:
+                    vrow = em.gep(V32, em.mul(em.mul(j, DV), 4))
+                    vs = [em.load(vt, vrow, c * LANES * 4) for c in range(nv)]
+                    for ii in range(n_rows):
+                        p = em.splat(em.load(F32, prows[ii], em.mul(j, 4)), LANES)
+                        for c in range(nv):
+                            em.set(accs[ii][c], em.fma(vs[c], p, em.get(accs[ii][c])))
+                for ii in range(n_rows):
+                    with em.if_(masks[ii]):
+                        for c in range(nv):
+                            em.store(em.get(accs[ii][c]), outs[ii], c * LANES * 4)
+                return
 
             def body(k, lanes):
                 ty = vt if lanes else F32
-                outs = [em.gep(VKQ, em.mul(em.mul(em.add(i0, ii), DV), 4)) for ii in range(n_rows)]
-                prows = [em.gep(KQ, em.mul(em.mul(em.add(i0, ii), TILE), 4)) for ii in range(n_rows)]
                 accs = [em.var(ty, _vload(em, outs[ii], k, "f32", lanes)) for ii in range(n_rows)]
                 with em.loop(0, kvt, name="vj") as j:
                     v = _vload(em, em.gep(V32, em.mul(em.mul(j, DV), 4)), k, "f32", lanes)
@@ -456,8 +476,8 @@ class FlashAttn(Kernel):
 
             chunked(em, DV, body)
 
-        full = em.mul(em.div(rows, 4), 4)
-        with em.loop(0, full, 4, name="vi4") as i:
-            pv_rows(i, 4)
+        full = em.mul(em.div(rows, group), group)
+        with em.loop(0, full, group, name="vig") as i:
+            pv_rows(i, group)
         with em.loop(full, rows, name="vi1") as i:
             pv_rows(i, 1)
