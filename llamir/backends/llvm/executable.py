@@ -97,6 +97,8 @@ class CompiledSplit:
             self._packed.setdefault(leaf_name, []).append((layout.leaves[name], fmt))
         self._outputs = []
         for name, node in graph.outputs.items():
+            if name in plan.leaf_views:
+                continue
             self._outputs.append(_Output(name, layout.outputs[name], _storage_dims(node),
                                          storage_dtype(node.dtype), node))
 
@@ -121,8 +123,17 @@ class CompiledSplit:
             keep = self._bind(leaf_values, bindings)
             outputs = self._bind_outputs(bindings)
             self._run()
-            del keep
+        for name, ref in self.plan.leaf_views.items():
+            outputs[name] = self._view_of(ref, self._bound(ref.buf.name, keep), bindings)
         return outputs
+
+    def _view_of(self, ref: Ref, owner: np.ndarray, bindings) -> np.ndarray:
+        """A numpy view (not a copy) of `ref` inside a leaf's array."""
+        from llamir.ir.interp import strided_view
+
+        shape = storage_shape(tuple(_ev(d, bindings, 0) for d in ref.shape), ref.dtype)
+        strides = tuple(_ev(s, bindings, 0) for s in ref.strides[:-1]) + (owner.itemsize,)
+        return strided_view(owner, owner, shape, strides, _ev(ref.offset, bindings, 0), "output")
 
     # -- binding ---------------------------------------------------------------------------------
     def _bind(self, leaf_values, bindings) -> list:
@@ -149,7 +160,7 @@ class CompiledSplit:
                     self._bind_leaf(spec, self._check_leaf(spec, arr, bindings))
                     spec.last = arr
             self._fixed_last = [spec.last for spec in self._fixed]
-        keep = []
+        keep = {}
         for spec in self._inputs:
             try:
                 arr = leaf_values[spec.name]
@@ -157,8 +168,14 @@ class CompiledSplit:
                 raise BackendError(f"no value for {spec.kind} {spec.name!r}") from None
             arr = self._check_leaf(spec, arr, bindings)
             self._bind_leaf(spec, arr)
-            keep.append(arr)
+            keep[spec.name] = arr
         return keep
+
+    def _bound(self, name: str, keep: dict) -> np.ndarray:
+        """The array a leaf was bound to in this call (inputs may be contiguous copies)."""
+        if name in keep:
+            return keep[name]
+        return next(spec.last for spec in self._fixed if spec.name == name)
 
     def _bind_leaf(self, spec: _Leaf, arr: np.ndarray) -> None:
         self.frame[spec.slot] = arr.__array_interface__["data"][0]
@@ -236,16 +253,17 @@ class CompiledSplit:
             self._run()
             arrays = {}
             for spec in self._leaves:
-                arrays[spec.name] = leaf_values[spec.name]
+                arrays[spec.name] = self._bound(spec.name, keep)
             for spec in self._outputs:
                 arrays[spec.name] = outputs[spec.name]
+            for name, ref in self.plan.leaf_views.items():
+                outputs[name] = self._view_of(ref, self._bound(ref.buf.name, keep), bindings)
             for node in self.graph.nodes:
                 if not node.name:
                     continue
                 value = self._value(node, arrays, bindings)
                 if value is not None and observe(node, value) is False:
                     break
-            del keep
         return outputs
 
     def _value(self, node: Node, arrays, bindings) -> np.ndarray | None:

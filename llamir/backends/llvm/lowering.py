@@ -142,13 +142,18 @@ class Lowerer:
 
     # -- outputs ---------------------------------------------------------------------------------
     def _outputs(self) -> None:
-        """Outputs that are views, leaves or in-place results get a copy in an output buffer."""
+        """Outputs that are views of temporaries get a copy in an output buffer; outputs that live
+        in a leaf's memory (a set_rows result, a view of the KV cache) are returned as views of
+        that leaf's array, as the reference interpreter returns them."""
         from llamir.backends.llvm.kernels.elementwise_lower import copy_step
 
         for name, node in self.graph.outputs.items():
             if name in self.plan.outputs:
                 continue
             src = self.ref(node)
+            if src.buf.kind == "leaf":
+                self.plan.leaf_views[name] = src
+                continue
             buf = Buffer("output", name)
             self.plan.outputs[name] = buf
             dst = self.plan.new_ref(buf, node_shape(node), node.dtype)

@@ -158,6 +158,7 @@ class Plan:
         self.outputs: dict[str, Buffer] = {}
         self.temps: list[Buffer] = []
         self.packed: dict[str, Buffer] = {}   # repacked weights, by "leaf|format"
+        self.leaf_views: dict[str, Ref] = {}  # outputs that are views of a leaf's memory
         self.n_stages = 0
         self.arena_size: Expr = 0
         self.sites: list[str] = []      # error sites: what a kernel reports in the frame

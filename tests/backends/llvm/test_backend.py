@@ -220,3 +220,39 @@ def test_set_n_threads_keeps_compiled_code():
     assert exe.pool.n_threads == 3
     np.testing.assert_array_equal(exe(values, {"T": 6})["y"], want)
     backend.close()
+
+
+def test_outputs_in_leaf_memory_are_views_of_the_leaf(llvm_backend):
+    """A set_rows result (and a view of it) comes back as a view of the caller's array, as the
+    interpreter returns it: the scheduler keeps such values in their owner's memory."""
+    b = GraphBuilder("g", dims=["T"])
+    cache = b.state("c", [8, 4], F32)
+    stored = b.set_rows(cache, b.input("s", ["T", 4], F32), b.input("i", ["T"], I32))
+    b.output("stored", stored)
+    b.output("rows", b.view(stored, [2, 4], [16, 4], 16))
+    exe = llvm_backend.compile(b.graph)
+    c = np.zeros((8, 4), np.float32)
+    out = exe({"c": c, "s": np.ones((2, 4), np.float32), "i": np.array([1, 6], np.int32)}, {"T": 2})
+    assert np.shares_memory(out["stored"], c) and np.shares_memory(out["rows"], c)
+    np.testing.assert_array_equal(out["rows"], c[1:3])
+    assert c[1].sum() == 4 and c[6].sum() == 4
+
+
+def test_as_the_scheduler_cpu_backend_next_to_a_simulated_device(tmp_path):
+    """Splits handed over by the scheduler (one compile per split) give the CPU's logits."""
+    import llamir
+    from llamir.frontend.placement import PlacementParams
+    from llamir.frontend.synth import SynthSpec, write_model
+
+    model = llamir.load_model(write_model(tmp_path / "m.gguf", SynthSpec(n_layer=3, dtype="q8_0")))
+    tokens = list(range(5, 30))
+
+    def logits(**kw):
+        ctx = llamir.Context(model, n_ctx=128, **kw)
+        assert ctx.decode(llamir.Batch.from_tokens(tokens, logits="all")) == 0, ctx.last_error
+        return ctx.get_logits().copy()
+
+    want = logits(backend="numpy")
+    got = logits(backend=LLVMBackend(n_threads=2, disk_cache=False), devices=["sim:gpu0"],
+                 placement=PlacementParams(n_gpu_layers=2))
+    np.testing.assert_array_equal(got, want)
