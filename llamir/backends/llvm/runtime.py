@@ -27,7 +27,8 @@ import numpy as np
 from llamir.backends.llvm.emit import I32, I64, PTR, VOID, Emitter
 from llamir.backends.llvm.target import Target, host_target
 
-GEN, PENDING, BAR_COUNT, BAR_PASSED, FN, FRAME, NTH, STOP, SLEEPERS, SPIN = 0, 64, 128, 192, 256, 264, 272, 276, 320, 328
+GEN, PENDING, BAR_COUNT, BAR_PASSED = 0, 64, 128, 192
+FN, FRAME, NTH, STOP, SLEEPERS, SPIN = 256, 264, 272, 276, 320, 328
 STATE_BYTES = 384
 SPIN_SECONDS = 0.003            # an idle worker spins this long (checked on the cycle counter), then sleeps
 YIELD_AFTER = 1 << 10           # pause loops before a barrier or join also yields the CPU
