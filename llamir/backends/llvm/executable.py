@@ -42,7 +42,8 @@ class _Leaf:
     shape: tuple            # dims (ints or Syms), storage form
     np_dtype: np.dtype
     concrete: bool
-    last: np.ndarray | None = None
+    last: np.ndarray | None = None      # the array last passed in (recognised by identity)
+    bound: np.ndarray | None = None     # the array the frame points at (a contiguous copy, maybe)
 
 
 @dataclass
@@ -157,7 +158,8 @@ class CompiledSplit:
         if not all(map(operator.is_, fixed, self._fixed_last)):
             for spec, arr in zip(self._fixed, fixed, strict=True):
                 if arr is not spec.last:
-                    self._bind_leaf(spec, self._check_leaf(spec, arr, bindings))
+                    spec.bound = self._check_leaf(spec, arr, bindings)   # kept: it may be a copy
+                    self._bind_leaf(spec, spec.bound)
                     spec.last = arr
             self._fixed_last = [spec.last for spec in self._fixed]
         keep = {}
@@ -175,7 +177,7 @@ class CompiledSplit:
         """The array a leaf was bound to in this call (inputs may be contiguous copies)."""
         if name in keep:
             return keep[name]
-        return next(spec.last for spec in self._fixed if spec.name == name)
+        return next(spec.bound for spec in self._fixed if spec.name == name)
 
     def _bind_leaf(self, spec: _Leaf, arr: np.ndarray) -> None:
         self.frame[spec.slot] = arr.__array_interface__["data"][0]

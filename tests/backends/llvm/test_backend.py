@@ -256,3 +256,16 @@ def test_as_the_scheduler_cpu_backend_next_to_a_simulated_device(tmp_path):
     got = logits(backend=LLVMBackend(n_threads=2, disk_cache=False), devices=["sim:gpu0"],
                  placement=PlacementParams(n_gpu_layers=2))
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_non_contiguous_weight_is_bound_through_a_kept_copy(llvm_backend):
+    g = _graph()
+    exe = llvm_backend.compile(g)
+    values = _values(4)
+    values["m"] = np.asfortranarray(values["m"])      # a strided weight: copied once, and the copy kept
+    want = run_graph(g, {k: np.ascontiguousarray(v) for k, v in values.items()}, {"T": 4})["y"]
+    import gc
+
+    for _ in range(3):
+        gc.collect()
+        np.testing.assert_array_equal(exe(values, {"T": 4})["y"], want)
