@@ -179,11 +179,14 @@ class BatchAllocator:
     def _positions(self, batch: Batch, memory, n_seq_max: int) -> np.ndarray:
         if batch.pos is not None:
             return batch.pos.astype(np.int32)
-        nxt = {s: (memory.seq_pos_max(s) + 1 if memory is not None else 0) for s in range(n_seq_max)}
+        nxt: dict[int, int] = {}  # only the sequences the batch names (llama.cpp fills all n_seq_max)
         pos = np.empty(batch.n_tokens, dtype=np.int32)
         for i, ids in enumerate(self.seq_ids):
-            pos[i] = nxt[ids[0]]
-            nxt[ids[0]] += 1
+            s = ids[0]
+            if s not in nxt:
+                nxt[s] = memory.seq_pos_max(s) + 1 if memory is not None else 0
+            pos[i] = nxt[s]
+            nxt[s] += 1
         return pos
 
     def _stats(self, n_seq_max: int) -> None:

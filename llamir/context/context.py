@@ -226,10 +226,11 @@ class Context:
                 return DECODE_COMPUTE, f"failed to build the graph: {err}"
             self._prev = result
         cg = result.graph
-        values = result.set_inputs(ubatch)
-        values.update(cg.weights)
-        if mctx is not None:
-            values.update(self.memory.buffers)
+        if not result.values:  # weights and the memory's buffers are the same arrays every call
+            result.values.update(cg.weights)
+            if mctx is not None:
+                result.values.update(self.memory.buffers)
+        values = result.set_inputs(ubatch, result.values)
         bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)
         try:
             out = self.runner.run(cg, values, bindings, ubatch.n_tokens, self._observer())

@@ -254,6 +254,7 @@ class GraphResult:
     executable: object
     params: GraphParams
     inputs: list[GraphInput] = field(default_factory=list)
+    values: dict = field(default_factory=dict)   # leaf values kept across calls: weights, state
 
     def can_reuse(self, params: GraphParams, mctx: KVCacheContext | None) -> bool:
         if not self.params.allow_reuse(params):
@@ -265,8 +266,9 @@ class GraphResult:
                 return False
         return all(inp.can_reuse(params) for inp in self.inputs)
 
-    def set_inputs(self, ubatch: UBatch) -> dict[str, np.ndarray]:
-        values: dict[str, np.ndarray] = {}
+    def set_inputs(self, ubatch: UBatch, values: dict | None = None) -> dict[str, np.ndarray]:
+        """Fill every input; `values` (kept across calls) may already hold the weights and state."""
+        values = {} if values is None else values
         for inp in self.inputs:
             inp.set_input(ubatch, values)
         return values

@@ -248,6 +248,9 @@ class KVCache:
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo] | None:
         """Find a slot for every ubatch as if the earlier ones were applied; change nothing."""
+        if len(ubatches) == 1:  # nothing after it needs to see it applied
+            sinfo = self.find_slot(ubatches[0], cont=False)
+            return None if sinfo is None else [sinfo]
         snapshot = ([c.snapshot() for c in self.v_cells], list(self.v_heads))
         slots: list[SlotInfo] = []
         try:
@@ -418,21 +421,25 @@ class KVCache:
         """[n_stream, 1, T/n_stream, n_kv]: 0 (or -|p0-p1| with ALiBi) where attention is allowed."""
         n_streams = sinfo.n_stream
         per = ubatch.n_tokens // n_streams
-        mask = np.full((n_streams, 1, per, n_kv), -np.inf, dtype=np.float32)
+        mask = np.empty((n_streams, 1, per, n_kv), dtype=dtype)
         for s, stream in enumerate(sinfo.strm):
             cells = self.v_cells[stream]
-            p0 = cells.pos[:n_kv].astype(np.int64)[None, :]                          # [1, n_kv]
-            tokens = range(s * per, (s + 1) * per)
-            p1 = ubatch.pos[s * per:(s + 1) * per].astype(np.int64)[:, None]         # [per, 1]
-            first = [ubatch.seq_ids[i][0] for i in tokens]
-            allowed = (p0 >= 0) & cells.seq[:n_kv, first].T
+            p0 = cells.pos[None, :n_kv]                                               # [1, n_kv]
+            p1 = ubatch.pos[s * per:(s + 1) * per, None]                             # [per, 1]
+            first = [ids[0] for ids in ubatch.seq_ids[s * per:(s + 1) * per]]
+            allowed = cells.seq[:n_kv, first].T & (p0 >= 0)   # a token sees its first sequence's cells
             if causal:
                 allowed &= p0 <= p1
             if self.swa_type != "none":
-                allowed &= ~is_masked_swa(self.n_swa, self.swa_type, p0, p1)
-            values = -np.abs(p0 - p1).astype(np.float32) if alibi else np.float32(0)
-            mask[s, 0] = np.where(allowed, values, -np.inf)
-        return mask.astype(dtype)
+                allowed &= ~is_masked_swa(self.n_swa, self.swa_type, p0.astype(np.int64), p1.astype(np.int64))
+            if alibi:
+                values = -np.abs(p0.astype(np.int64) - p1).astype(np.float32)
+                mask[s, 0] = np.where(allowed, values, -np.inf)
+            else:
+                out = mask[s, 0]
+                out.fill(-np.inf)
+                out[allowed] = 0
+        return mask
 
 
 @dataclass
