@@ -57,6 +57,8 @@ class Context:
         self.params = params if params is not None else ContextParams(**kwargs)
         self.cparams: CParams = resolve(self.params, model.hparams)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        if hasattr(self.backend, "set_n_threads"):  # the CPU backend works with n_threads threads
+            self.backend.set_n_threads(self.cparams.n_threads)
         device_backends = [backend_from_spec(d) if isinstance(d, str) else d for d in devices]
         self.runner = Runner(model, [*device_backends, self.backend], placement or PlacementParams(),
                              self.cparams.op_offload)
