@@ -318,7 +318,7 @@ def cmd_tokenize(args) -> int:
 
 # -- argument parsing ---------------------------------------------------------------------------
 def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
-    p.add_argument("--backend", default="numpy", help="backend to run on (default: numpy)")
+    p.add_argument("--backend", default="llvm", help="backend to run on: llvm (default), numpy, numpy-fast")
     p.add_argument("--n-ctx", type=int, default=n_ctx, dest="n_ctx", help="context size in tokens")
     p.add_argument("--n-batch", type=int, default=2048, dest="n_batch", help="logical batch size")
     p.add_argument("--n-ubatch", type=int, default=512, dest="n_ubatch", help="physical batch size")
