@@ -248,8 +248,8 @@ def _flash_attn(ctx, node, args, bindings):
     rest = list(args[3:])
     k_dtype, v_dtype = _in(node, 1), _in(node, 2)
     k32, v32 = to_f32(k, k_dtype), to_f32(v, v_dtype)
-    if k_dtype == F16:
-        q = q.astype(np.float16).astype(f32)
+    if k_dtype in (F16, BF16):
+        q = to_f32(from_f32(q, k_dtype), k_dtype)  # k's vec_dot_type
     n_s, n_head, n_tok, _ = q.shape
     rk, rv = n_head // k.shape[1], n_head // v.shape[1]
     k32 = np.repeat(k32, rk, axis=1)

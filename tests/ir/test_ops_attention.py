@@ -379,8 +379,6 @@ def test_flash_attn_symbolic_through_permuted_cache_views(n_kv, nmse):
     assert nmse(got, attention_ref(qq, kk, vv, scale=0.5)) < 1e-12
 
 
-@pytest.mark.xfail(strict=True, reason="interp_nn._flash_attn rounds q only for f16 K; ggml (and the "
-                   "kernel's docstring) round q to K's vec_dot_type, which is bf16 for a bf16 K")
 def test_flash_attn_bf16_k_rounds_q_to_bf16(nmse):
     q, k, v = _qkv(1, 2, 2, 3, 8, 32, 8, 18)
     to_bits = lambda a: ((a.view(np.uint32).astype(np.uint64) + 0x7FFF  # noqa: E731
