@@ -11,6 +11,10 @@ import numpy as np
 log = logging.getLogger("llamir")
 
 LLAMA_MAX_SEQ = 256
+_EMPTY_POS = np.zeros(0, dtype=np.int32)
+_EMPTY_POS.flags.writeable = False
+_EMPTY_OUTPUT = np.zeros(0, dtype=bool)
+_EMPTY_OUTPUT.flags.writeable = False
 
 
 class BatchError(ValueError):
@@ -46,7 +50,7 @@ class Batch:
             if len(self.pos) != n:
                 raise BatchError(f"{len(self.pos)} positions for {n} tokens")
         if self.seq_ids is not None:
-            self.seq_ids = [tuple(int(s) for s in (ids if isinstance(ids, Sequence) else (ids,)))
+            self.seq_ids = [tuple(map(int, ids)) if isinstance(ids, (tuple, list, Sequence)) else (int(ids),)
                             for ids in self.seq_ids]
             if len(self.seq_ids) != n:
                 raise BatchError(f"{len(self.seq_ids)} seq_id lists for {n} tokens")
@@ -124,9 +128,9 @@ class BatchAllocator:
     def clear(self) -> None:
         self.tokens: np.ndarray | None = None
         self.embd: np.ndarray | None = None
-        self.pos = np.zeros(0, dtype=np.int32)
+        self.pos = _EMPTY_POS
         self.seq_ids: list[tuple[int, ...]] = []
-        self.output = np.zeros(0, dtype=bool)
+        self.output = _EMPTY_OUTPUT
         self.n_outputs = 0
         self.has_cpl = False
         self.seq_sets: list[frozenset[int]] = []
@@ -148,10 +152,11 @@ class BatchAllocator:
         if n == 0:
             raise BatchError("n_tokens == 0")
         if batch.tokens is not None:
-            bad = np.nonzero((batch.tokens < 0) | (batch.tokens >= n_vocab))[0]
-            if len(bad):
-                raise BatchError(f"invalid token[{bad[0]}] = {batch.tokens[bad[0]]} (n_vocab = {n_vocab})")
-            self.tokens = batch.tokens.astype(np.int32)
+            tokens = batch.tokens
+            if int(tokens.min()) < 0 or int(tokens.max()) >= n_vocab:
+                bad = int(np.nonzero((tokens < 0) | (tokens >= n_vocab))[0][0])
+                raise BatchError(f"invalid token[{bad}] = {tokens[bad]} (n_vocab = {n_vocab})")
+            self.tokens = tokens.astype(np.int32)
         else:
             if batch.embd.shape[1] != n_embd:
                 raise BatchError(f"embd rows have {batch.embd.shape[1]} values, the model needs {n_embd}")
@@ -163,17 +168,20 @@ class BatchAllocator:
                     raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
         self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
         self.pos = self._positions(batch, memory, n_seq_max)
-        self.output = np.zeros(n, dtype=bool)
         if batch.logits is not None:
-            self.output[:] = batch.logits
+            self.output = np.array(batch.logits, dtype=bool).reshape(-1)
+            if len(self.output) != n:
+                raise BatchError(f"{len(self.output)} logits flags for {n} tokens")
         else:
+            self.output = np.zeros(n, dtype=bool)
             self.output[-1] = True
         if output_all and not self.output.all():
             log.warning("embeddings required but some input tokens were not marked as outputs -> overriding")
             self.output[:] = True
-        self.n_outputs = int(self.output.sum())
-        self._stats(n_seq_max)
-        self._check_consistency(memory)
+        self.n_outputs = int(np.count_nonzero(self.output))
+        pos = self.pos.tolist()
+        self._stats(pos)
+        self._check_consistency(memory, pos)
         self.split_reset()
 
     def _positions(self, batch: Batch, memory, n_seq_max: int) -> np.ndarray:
@@ -189,12 +197,12 @@ class BatchAllocator:
             nxt[s] += 1
         return pos
 
-    def _stats(self, n_seq_max: int) -> None:
+    def _stats(self, pos: list[int]) -> None:
         self.seq_cpl: set[tuple[int, int]] = set()
         unique: set[int] = set()
         for i, ids in enumerate(self.seq_ids):
             for s, sid in enumerate(ids):
-                self.seq_pos.setdefault(sid, set()).add(int(self.pos[i]))
+                self.seq_pos.setdefault(sid, set()).add(pos[i])
                 if s > 0:
                     self.seq_cpl.add((sid, ids[0]))
                     self.has_cpl = True
@@ -210,7 +218,7 @@ class BatchAllocator:
     def seq_pos_max(self, s: int) -> int:
         return max(self.seq_pos[s]) if self.seq_pos.get(s) else -1
 
-    def _check_consistency(self, memory) -> None:
+    def _check_consistency(self, memory, pos: list[int]) -> None:
         for s in sorted(self.seq_pos):
             p0 = memory.seq_pos_max(s) if memory is not None else -1
             if p0 >= 0 and self.seq_pos_min(s) != p0 + 1:
@@ -228,7 +236,7 @@ class BatchAllocator:
         cur_set: dict[int, frozenset[int] | None] = {}
         cur_pos: dict[int, int] = {}
         for i, ids in enumerate(self.seq_ids):
-            p = int(self.pos[i])
+            p = pos[i]
             for sid in ids:
                 prev = cur_set.get(sid)
                 cur_set[sid] = self.seq_sets[i] if prev is None else prev & self.seq_sets[i]
@@ -247,12 +255,11 @@ class BatchAllocator:
 
     def split_simple(self, n_ubatch: int) -> UBatch | None:
         """The next unused tokens in batch order, at most n_ubatch."""
-        free = np.nonzero(~self.used)[0]
-        if not len(free):
+        if self.n_used == self.n_tokens:
             return None
-        start = int(free[0])
-        idxs = list(range(start, min(start + n_ubatch, self.n_tokens)))
-        return self._take(idxs, n_seqs=len(idxs), equal_seqs=False)
+        start = int(self.used.argmin())   # the first unused token
+        stop = min(start + n_ubatch, self.n_tokens)
+        return self._take(range(start, stop), n_seqs=stop - start, equal_seqs=False)
 
     def split_equal(self, n_ubatch: int, sequential: bool) -> UBatch | None:
         """Equal-length runs from non-overlapping sequence sets (what recurrent memory needs)."""
@@ -317,19 +324,25 @@ class BatchAllocator:
             cur_set = self.seq_sets[cur]
         return self._take(idxs, n_seqs=1, equal_seqs=True, mark=False)
 
-    def _take(self, idxs: list[int], n_seqs: int, equal_seqs: bool, mark: bool = True) -> UBatch:
+    def _take(self, idxs: list[int] | range, n_seqs: int, equal_seqs: bool, mark: bool = True) -> UBatch:
+        """The ubatch of tokens `idxs` (a range: a contiguous run, taken by slices)."""
+        if isinstance(idxs, range):
+            sel = slice(idxs.start, idxs.stop)
+            batch_idxs = np.arange(idxs.start, idxs.stop)
+            seq_ids = self.seq_ids[sel]
+        else:
+            sel = batch_idxs = np.asarray(idxs, dtype=np.int64)
+            seq_ids = [self.seq_ids[i] for i in idxs]
         if mark:
-            self.used[idxs] = True
+            self.used[sel] = True
             self.n_used += len(idxs)
-        sel = np.asarray(idxs, dtype=np.int64)
-        seq_ids = [self.seq_ids[i] for i in idxs]
         output = self.output[sel].copy()
-        self.out_ids.extend(int(i) for i in sel[output])
+        self.out_ids.extend(batch_idxs[output].tolist())
         return UBatch(
             equal_seqs=equal_seqs, n_seq_tokens=len(idxs) // n_seqs, n_seqs=n_seqs,
             tokens=None if self.tokens is None else self.tokens[sel].copy(),
             embd=None if self.embd is None else self.embd[sel].copy(),
-            pos=self.pos[sel].copy(), seq_ids=seq_ids, output=output, batch_idxs=sel,
+            pos=self.pos[sel].copy(), seq_ids=seq_ids, output=output, batch_idxs=batch_idxs,
             seq_id_unq=sorted({s for ids in seq_ids for s in ids}))
 
 

@@ -42,6 +42,17 @@ class GraphParams:
                 and self.n_outputs == other.n_outputs and self.gtype == other.gtype)
 
 
+def put_input(values: dict[str, np.ndarray], name: str, data: np.ndarray, dtype) -> None:
+    """values[name] = data as `dtype`, written into the array already there when the shape and
+    dtype match: a reused graph then finds its inputs where it bound them (ggml_backend_tensor_set
+    into the same tensor), and no array is allocated per token."""
+    cur = values.get(name)
+    if cur is not None and cur.shape == data.shape and cur.dtype == dtype:
+        np.copyto(cur, data, casting="unsafe")
+    else:
+        values[name] = np.array(data, dtype=dtype)
+
+
 class GraphInput:
     """One input object: the leaves it owns, how to fill them, and whether a graph may be reused."""
 
@@ -68,9 +79,9 @@ class InputEmbd(GraphInput):
     def set_input(self, ubatch, values):
         self.n_tokens = ubatch.n_tokens
         if self.has_tokens:
-            values["inp_tokens"] = ubatch.tokens.astype(np.int32)
+            put_input(values, "inp_tokens", ubatch.tokens, np.int32)
         else:
-            values["inp_embd"] = np.ascontiguousarray(ubatch.embd, dtype=np.float32)
+            put_input(values, "inp_embd", ubatch.embd, np.float32)
 
     def can_reuse(self, params):
         return params.has_tokens == self.has_tokens and params.n_tokens == self.n_tokens
@@ -85,7 +96,7 @@ class InputPos(GraphInput):
 
     def set_input(self, ubatch, values):
         self.n_tokens = ubatch.n_tokens
-        values["inp_pos"] = ubatch.pos.astype(np.int32)
+        put_input(values, "inp_pos", ubatch.pos, np.int32)
 
     def can_reuse(self, params):
         return params.n_tokens == self.n_tokens
@@ -100,12 +111,12 @@ class InputOutIds(GraphInput):
 
     def set_input(self, ubatch, values):
         if self.n_outputs == ubatch.n_tokens:
-            ids = np.arange(ubatch.n_tokens, dtype=np.int32)
+            ids = np.arange(ubatch.n_tokens)
         else:
-            ids = np.nonzero(ubatch.output)[0].astype(np.int32)
+            ids = np.flatnonzero(ubatch.output)
         if len(ids) != self.n_outputs:
             raise ValueError(f"{len(ids)} output rows but the graph expects {self.n_outputs}")
-        values["inp_out_ids"] = ids
+        put_input(values, "inp_out_ids", ids, np.int32)
 
     def can_reuse(self, params):
         return params.n_outputs == self.n_outputs
@@ -132,9 +143,12 @@ class InputAttnKV(GraphInput):
         cache, sinfo = self.mctx.cache, self.mctx.slot()
         self.n_tokens, self.n_kv = ubatch.n_tokens, self.mctx.n_kv
         k_name, v_name, mask_name = self.leaf_names
-        values[k_name] = cache.k_idxs(ubatch, sinfo)
-        values[v_name] = cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa)
-        values[mask_name] = cache.kq_mask(ubatch, sinfo, self.n_kv, self.causal, self.alibi, self.mask_dtype)
+        k_idxs = cache.k_idxs(ubatch, sinfo)
+        put_input(values, k_name, k_idxs, np.int64)
+        put_input(values, v_name, k_idxs if not cache.layout.v_trans else
+                  cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa), np.int64)
+        values[mask_name] = cache.kq_mask(ubatch, sinfo, self.n_kv, self.causal, self.alibi, self.mask_dtype,
+                                          out=values.get(mask_name))
 
     def rebind(self, mctx) -> None:
         self.mctx = mctx.contexts()[1] if self.suffix and len(mctx.contexts()) > 1 else mctx.contexts()[0]

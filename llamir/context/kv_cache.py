@@ -417,28 +417,35 @@ class KVCache:
         return np.concatenate(parts)
 
     def kq_mask(self, ubatch: UBatch, sinfo: SlotInfo, n_kv: int, causal: bool, alibi: bool = False,
-                dtype=np.float32) -> np.ndarray:
-        """[n_stream, 1, T/n_stream, n_kv]: 0 (or -|p0-p1| with ALiBi) where attention is allowed."""
+                dtype=np.float32, out: np.ndarray | None = None) -> np.ndarray:
+        """[n_stream, 1, T/n_stream, n_kv]: 0 (or -|p0-p1| with ALiBi) where attention is allowed;
+        written into `out` when it has that shape and dtype."""
         n_streams = sinfo.n_stream
         per = ubatch.n_tokens // n_streams
-        mask = np.empty((n_streams, 1, per, n_kv), dtype=dtype)
+        shape = (n_streams, 1, per, n_kv)
+        mask = out if out is not None and out.shape == shape and out.dtype == dtype else np.empty(shape, dtype)
         for s, stream in enumerate(sinfo.strm):
             cells = self.v_cells[stream]
+            rows = slice(s * per, (s + 1) * per)
             p0 = cells.pos[None, :n_kv]                                               # [1, n_kv]
-            p1 = ubatch.pos[s * per:(s + 1) * per, None]                             # [per, 1]
-            first = [ids[0] for ids in ubatch.seq_ids[s * per:(s + 1) * per]]
-            allowed = cells.seq[:n_kv, first].T & (p0 >= 0)   # a token sees its first sequence's cells
-            if causal:
-                allowed &= p0 <= p1
-            if self.swa_type != "none":
-                allowed &= ~is_masked_swa(self.n_swa, self.swa_type, p0.astype(np.int64), p1.astype(np.int64))
-            if alibi:
-                values = -np.abs(p0.astype(np.int64) - p1).astype(np.float32)
-                mask[s, 0] = np.where(allowed, values, -np.inf)
+            p1 = ubatch.pos[rows, None]                                              # [per, 1]
+            # a token sees the cells of its first sequence (empty cells belong to none)
+            first = list(dict.fromkeys(ids[0] for ids in ubatch.seq_ids[rows]))
+            if len(first) == 1:
+                allowed = cells.seq[None, :n_kv, first[0]]                          # [1, n_kv]
             else:
-                out = mask[s, 0]
-                out.fill(-np.inf)
-                out[allowed] = 0
+                allowed = cells.seq[:n_kv, [ids[0] for ids in ubatch.seq_ids[rows]]].T
+            if causal:
+                allowed = allowed & (p0 <= p1)
+            if self.swa_type != "none":
+                allowed = allowed & ~is_masked_swa(self.n_swa, self.swa_type, p0.astype(np.int64),
+                                                   p1.astype(np.int64))
+            out = mask[s, 0]
+            out.fill(-np.inf)
+            if alibi:
+                np.copyto(out, -np.abs(p0.astype(np.int64) - p1), where=allowed, casting="unsafe")
+            else:
+                np.copyto(out, 0, where=allowed)
         return mask
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_NO_POS = np.iinfo(np.int32).max
+
 
 @dataclass
 class CellsSnapshot:
@@ -25,17 +27,25 @@ class KVCells:
         self.shift = np.zeros(size, dtype=np.int32)
         self.seq = np.zeros((size, n_seq_max), dtype=bool)
         self.has_shift = False
+        self._n_used = 0                       # kept as cells change, like llama.cpp's `used` set
+        self._used_max_p1: int | None = 0      # None: recount on the next query
 
     # -- queries ----------------------------------------------------------------------------------
     def is_empty(self, i: int) -> bool:
         return self.pos[i] == -1
 
     def get_used(self) -> int:
-        return int(np.count_nonzero(self.pos >= 0))
+        return self._n_used
 
     def used_max_p1(self) -> int:
-        used = np.nonzero(self.pos >= 0)[0]
-        return int(used[-1]) + 1 if len(used) else 0
+        if self._used_max_p1 is None:
+            used = np.flatnonzero(self.pos >= 0)
+            self._used_max_p1 = int(used[-1]) + 1 if len(used) else 0
+        return self._used_max_p1
+
+    def _recount(self) -> None:
+        self._n_used = int(np.count_nonzero(self.pos >= 0))
+        self._used_max_p1 = None
 
     def seq_count(self, i: int) -> int:
         return int(self.seq[i].sum())
@@ -48,12 +58,11 @@ class KVCells:
         return bool(self.seq[i, s])
 
     def seq_pos_min(self, s: int) -> int:
-        p = self.pos[self.seq[:, s]]
-        return int(p.min()) if len(p) else -1
+        p = int(self.pos.min(where=self.seq[:, s], initial=_NO_POS))
+        return -1 if p == _NO_POS else p
 
     def seq_pos_max(self, s: int) -> int:
-        p = self.pos[self.seq[:, s]]
-        return int(p.max()) if len(p) else -1
+        return int(self.pos.max(where=self.seq[:, s], initial=-1))
 
     def cells_of(self, s: int) -> np.ndarray:
         return np.nonzero(self.seq[:, s])[0]
@@ -64,8 +73,13 @@ class KVCells:
         self.shift[:] = 0
         self.seq[:] = False
         self.has_shift = False
+        self._n_used, self._used_max_p1 = 0, 0
 
     def rm(self, i: int) -> None:
+        if self.pos[i] >= 0:
+            self._n_used -= 1
+            if i + 1 == self._used_max_p1:
+                self._used_max_p1 = None
         self.pos[i] = -1
         self.shift[i] = 0
         self.seq[i] = False
@@ -93,17 +107,20 @@ class KVCells:
         self.seq[i, s] = True
 
     def pos_set(self, i: int, p: int) -> None:
-        assert self.pos[i] == -1, "pos_set on a used cell"
+        assert self.pos[i] == -1 and p >= 0, "pos_set on a used cell or to a negative position"
         self.pos[i] = p
+        self._n_used += 1
+        if self._used_max_p1 is not None and i >= self._used_max_p1:
+            self._used_max_p1 = i + 1
 
     def pos_add(self, i: int, d: int) -> bool:
         """pos += d and shift += d; a position below 0 empties the cell (returns True)."""
-        self.pos[i] += d
-        self.shift[i] += d
         self.has_shift = True
-        if self.pos[i] < 0:
+        if self.pos[i] + d < 0:
             self.rm(i)
             return True
+        self.pos[i] += d
+        self.shift[i] += d
         return False
 
     def pos_div(self, i: int, d: int) -> None:
@@ -126,3 +143,4 @@ class KVCells:
         self.seq[:] = snap.seq
         self.shift[:] = snap.shift
         self.has_shift = snap.has_shift
+        self._recount()

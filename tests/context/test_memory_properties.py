@@ -83,6 +83,8 @@ def check(cache: KVCache, ref: Reference):
     assert not np.any(used & ~cells.seq.any(axis=1)), "a used cell belongs to no sequence"
     assert not np.any(~used & cells.seq.any(axis=1)), "an empty cell still lists a sequence"
     assert int(used.sum()) == len(ref.entries), f"{int(used.sum())} cells used, {len(ref.entries)} expected"
+    assert cells.get_used() == int(used.sum()), "the kept count of used cells drifted"
+    assert cells.used_max_p1() == (int(np.flatnonzero(used)[-1]) + 1 if used.any() else 0)
     for s in range(N_SEQ):
         assert cache.seq_pos_min(s) == ref.pos_min(s) and cache.seq_pos_max(s) == ref.pos_max(s), s
         held = Counter(cells.pos[cells.seq[:, s]].tolist())

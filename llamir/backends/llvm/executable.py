@@ -11,6 +11,7 @@ import ctypes
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,6 +56,13 @@ class _Output:
     node: Node
 
 
+class _Shapes(NamedTuple):
+    """Storage shapes of the per-call inputs and of the outputs at one set of dim values."""
+
+    inputs: list[tuple[int, ...]]
+    outputs: list[tuple[int, ...]]
+
+
 _ARENA_SIZE = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p)
 
 
@@ -90,6 +98,7 @@ class CompiledSplit:
         self._fixed_last: list = [None] * len(self._fixed)
         self._inputs = [x for x in self._leaves if not (x.concrete and x.kind != "input")]
         self._arena_sizes: dict[tuple, int] = {}
+        self._shapes: dict[tuple, _Shapes] = {}   # by dims key, like the arena sizes
         self._dims_key: tuple = ()
         self.pool = pool
         self._packed = {}    # leaf name -> [(slot, format)]
@@ -122,7 +131,7 @@ class CompiledSplit:
             return self._debug.run_observed(leaf_values, bindings, observe)
         with self.pool.lock:
             keep = self._bind(leaf_values, bindings)
-            outputs = self._bind_outputs(bindings)
+            outputs = self._bind_outputs()
             self._run()
         for name, ref in self.plan.leaf_views.items():
             outputs[name] = self._view_of(ref, self._bound(ref.buf.name, keep), bindings)
@@ -149,7 +158,12 @@ class CompiledSplit:
                 raise BackendError(f"dim {name} = {value} is negative")
             frame[slot] = value
             dims_key.append(value)
-        self._dims_key = tuple(dims_key)
+        self._dims_key = key = tuple(dims_key)
+        shapes = self._shapes.get(key)
+        if shapes is None:   # the storage shapes of the inputs and outputs at these dims
+            shapes = self._shapes[key] = _Shapes(
+                [tuple(dims.evaluate(d, bindings) for d in spec.shape) for spec in self._inputs],
+                [tuple(dims.evaluate(d, bindings) for d in spec.shape) for spec in self._outputs])
         # weights and state: one C-level identity pass over the arrays bound last time
         try:
             fixed = list(map(leaf_values.__getitem__, self._fixed_names))
@@ -158,18 +172,20 @@ class CompiledSplit:
         if not all(map(operator.is_, fixed, self._fixed_last)):
             for spec, arr in zip(self._fixed, fixed, strict=True):
                 if arr is not spec.last:
-                    spec.bound = self._check_leaf(spec, arr, bindings)   # kept: it may be a copy
+                    spec.bound = self._check_leaf(spec, arr, spec.shape)   # kept: it may be a copy
                     self._bind_leaf(spec, spec.bound)
                     spec.last = arr
             self._fixed_last = [spec.last for spec in self._fixed]
         keep = {}
-        for spec in self._inputs:
+        for spec, want in zip(self._inputs, shapes.inputs):
             try:
                 arr = leaf_values[spec.name]
             except KeyError:
                 raise BackendError(f"no value for {spec.kind} {spec.name!r}") from None
-            arr = self._check_leaf(spec, arr, bindings)
-            self._bind_leaf(spec, arr)
+            # an input refilled in place since the last call is bound already
+            if arr is not spec.bound or arr.shape != want:
+                arr = spec.bound = self._check_leaf(spec, arr, want)
+                self._bind_leaf(spec, arr)
             keep[spec.name] = arr
         return keep
 
@@ -184,10 +200,9 @@ class CompiledSplit:
         for slot, fmt in self._packed.get(spec.name, ()):
             self.frame[slot] = PACKED.get(arr, fmt).__array_interface__["data"][0]
 
-    def _check_leaf(self, spec: _Leaf, arr, bindings) -> np.ndarray:
+    def _check_leaf(self, spec: _Leaf, arr, want: tuple[int, ...]) -> np.ndarray:
         if not isinstance(arr, np.ndarray):
             raise BackendError(f"{spec.kind} {spec.name!r}: expected a numpy array, got {type(arr).__name__}")
-        want = tuple(dims.evaluate(d, bindings) for d in spec.shape)
         if arr.shape != want or arr.dtype != spec.np_dtype:
             raise BackendError(f"{spec.kind} {spec.name!r}: expected storage {want} {spec.np_dtype}, "
                                f"got {arr.shape} {arr.dtype}")
@@ -199,13 +214,12 @@ class CompiledSplit:
             raise BackendError(f"state {spec.name!r} is read-only but the graph writes it")
         return arr
 
-    def _bind_outputs(self, bindings) -> dict[str, np.ndarray]:
+    def _bind_outputs(self) -> dict[str, np.ndarray]:
         outputs: dict[str, np.ndarray] = {}
         by_node: dict[int, np.ndarray] = {}
-        for spec in self._outputs:
+        for spec, shape in zip(self._outputs, self._shapes[self._dims_key].outputs):
             arr = by_node.get(id(spec.node))
             if arr is None:
-                shape = tuple(dims.evaluate(d, bindings) for d in spec.shape)
                 arr = by_node[id(spec.node)] = np.empty(shape, dtype=spec.np_dtype)
             self.frame[spec.slot] = arr.__array_interface__["data"][0] if arr.size else 0
             outputs[spec.name] = arr
@@ -251,7 +265,7 @@ class CompiledSplit:
         """Run everything (this variant keeps every value), then show the named values in order."""
         with self.pool.lock:
             keep = self._bind(leaf_values, bindings)
-            outputs = self._bind_outputs(bindings)
+            outputs = self._bind_outputs()
             self._run()
             arrays = {}
             for spec in self._leaves:
