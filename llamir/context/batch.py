@@ -137,7 +137,9 @@ class BatchAllocator:
         self.seq_set_map: dict[frozenset[int], list[int]] = {}
         self.seq_pos: dict[int, set[int]] = {}
         self.seq_id_unq: list[int] = []
-        self.split_reset()
+        self.out_ids: list[int] = []
+        self.n_used = 0
+        self.used = _EMPTY_OUTPUT
 
     @property
     def n_tokens(self) -> int:

@@ -4,6 +4,7 @@ that ties a compiled graph to them (llm_graph_result) with llama.cpp's reuse tes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -11,9 +12,9 @@ from llamir.context.batch import UBatch
 from llamir.context.kv_cache import KVCacheContext, is_masked_swa
 
 
-@dataclass(frozen=True)
-class GraphParams:
-    """The subset of llm_graph_params that decides whether a graph can be reused."""
+class GraphParams(NamedTuple):
+    """The subset of llm_graph_params that decides whether a graph can be reused (a tuple: one is
+    made per ubatch)."""
 
     equal_seqs: bool
     n_tokens: int
