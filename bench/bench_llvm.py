@@ -10,7 +10,8 @@ bandwidth measured here and the token-generation roofline it implies (weight byt
 bandwidth), llamir's compile times (cold: empty code cache; warm: from the disk cache) and where a
 generated token's time goes (kernels, barriers, Python).
 
-Shared machines are noisy: compare ratios from one run, and rerun when the load is high.
+Shared machines are noisy: each test alternates the two engines `--rounds` times (default 3) and
+reports the best measurement of each (all rounds are in the JSON); rerun when the load is high.
 """
 
 from __future__ import annotations
@@ -107,9 +108,9 @@ def compile_times(path: Path, threads: int) -> dict:
     return out
 
 
-def run(models: dict[str, Path], threads: int, reps: int) -> dict:
+def run(models: dict[str, Path], threads: int, reps: int, rounds: int) -> dict:
     bandwidth = memory_bandwidth()
-    report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads,
+    report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads, "rounds": rounds,
                           "memory_bandwidth_GBps": bandwidth / 1e9, "python": sys.version.split()[0],
                           "load_average": os.getloadavg()}, "models": {}}
     for name, path in models.items():
@@ -117,17 +118,22 @@ def run(models: dict[str, Path], threads: int, reps: int) -> dict:
         entry["roofline_tg_tps"] = bandwidth / entry["weight_bytes_per_token"]
         entry["compile_s"] = compile_times(path, threads)
         for label, n_prompt, n_gen in TESTS:
-            ours = bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps)
-            theirs = bench_llama_cpp(path, threads, n_prompt, n_gen, reps)
-            entry[label] = {"llamir": ours.as_dict(), "llama.cpp": theirs.as_dict()}
-            _progress(name, label, ours, theirs)
+            key = "pp_tps" if label.startswith("pp") else "tg_tps"
+            runs: dict[str, list[BenchResult]] = {"llamir": [], "llama.cpp": []}
+            for _ in range(rounds):   # alternating, so that a slow spell of the machine hits both
+                runs["llamir"].append(bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps))
+                runs["llama.cpp"].append(bench_llama_cpp(path, threads, n_prompt, n_gen, reps))
+            entry[label] = {}
+            for engine, results in runs.items():
+                best = max(results, key=lambda r: getattr(r, key))
+                entry[label][engine] = best.as_dict() | {"rounds_" + key: [getattr(r, key) for r in results]}
+            _progress(name, label, entry[label], key)
         report["models"][name] = entry
     return report
 
 
-def _progress(name: str, label: str, ours: BenchResult, theirs: BenchResult) -> None:
-    key = "pp_tps" if label.startswith("pp") else "tg_tps"
-    a, b = getattr(ours, key), getattr(theirs, key)
+def _progress(name: str, label: str, entry: dict, key: str) -> None:
+    a, b = entry["llamir"][key], entry["llama.cpp"][key]
     print(f"  {name:14s} {label:6s} llamir {a:9.1f}  llama.cpp {b:9.1f}  x{a / b:5.2f}", file=sys.stderr)
 
 
@@ -160,11 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--models", default="", help="comma-separated subset, e.g. small-f32,big-q4_0,smollm2-q4_1")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="prompt runs per measurement (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating measurements of each engine per test; the best of each is reported")
     p.add_argument("--json", default="bench/results/bench_llvm.json", help="where to write the JSON report")
     args = p.parse_args(argv)
     selected = [m.strip() for m in args.models.split(",") if m.strip()] or None
-    report = run(model_paths(selected), args.threads, args.reps)
+    report = run(model_paths(selected), args.threads, args.reps, args.rounds)
     text = table(report)
     print(text)
     out = Path(args.json)
