@@ -154,11 +154,11 @@ class BatchAllocator:
         if n == 0:
             raise BatchError("n_tokens == 0")
         if batch.tokens is not None:
-            tokens = batch.tokens
-            if int(tokens.min()) < 0 or int(tokens.max()) >= n_vocab:
-                bad = int(np.nonzero((tokens < 0) | (tokens >= n_vocab))[0][0])
+            tokens = batch.tokens.tolist()
+            if min(tokens) < 0 or max(tokens) >= n_vocab:
+                bad = next(i for i, t in enumerate(tokens) if not 0 <= t < n_vocab)
                 raise BatchError(f"invalid token[{bad}] = {tokens[bad]} (n_vocab = {n_vocab})")
-            self.tokens = tokens.astype(np.int32)
+            self.tokens = np.array(tokens, dtype=np.int32)
         else:
             if batch.embd.shape[1] != n_embd:
                 raise BatchError(f"embd rows have {batch.embd.shape[1]} values, the model needs {n_embd}")
@@ -169,33 +169,30 @@ class BatchAllocator:
                 if sid < 0 or sid >= n_seq_max:
                     raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
         self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
-        self.pos = self._positions(batch, memory, n_seq_max)
-        if batch.logits is not None:
-            self.output = np.array(batch.logits, dtype=bool).reshape(-1)
-            if len(self.output) != n:
-                raise BatchError(f"{len(self.output)} logits flags for {n} tokens")
-        else:
-            self.output = np.zeros(n, dtype=bool)
-            self.output[-1] = True
-        if output_all and not self.output.all():
+        pos = self._positions(batch, memory)
+        self.pos = np.array(pos, dtype=np.int32)
+        output = [False] * (n - 1) + [True] if batch.logits is None else batch.logits.tolist()
+        if len(output) != n:
+            raise BatchError(f"{len(output)} logits flags for {n} tokens")
+        if output_all and not all(output):
             log.warning("embeddings required but some input tokens were not marked as outputs -> overriding")
-            self.output[:] = True
-        self.n_outputs = int(np.count_nonzero(self.output))
-        pos = self.pos.tolist()
+            output = [True] * n
+        self.output = np.array(output, dtype=bool)
+        self.n_outputs = sum(output)
         self._stats(pos)
         self._check_consistency(memory, pos)
         self.split_reset()
 
-    def _positions(self, batch: Batch, memory, n_seq_max: int) -> np.ndarray:
+    def _positions(self, batch: Batch, memory) -> list[int]:
         if batch.pos is not None:
-            return batch.pos.astype(np.int32)
+            return batch.pos.tolist()
         nxt: dict[int, int] = {}  # only the sequences the batch names (llama.cpp fills all n_seq_max)
-        pos = np.empty(batch.n_tokens, dtype=np.int32)
-        for i, ids in enumerate(self.seq_ids):
+        pos = []
+        for ids in self.seq_ids:
             s = ids[0]
             if s not in nxt:
                 nxt[s] = memory.seq_pos_max(s) + 1 if memory is not None else 0
-            pos[i] = nxt[s]
+            pos.append(nxt[s])
             nxt[s] += 1
         return pos
 
@@ -327,7 +324,8 @@ class BatchAllocator:
         return self._take(idxs, n_seqs=1, equal_seqs=True, mark=False)
 
     def _take(self, idxs: list[int] | range, n_seqs: int, equal_seqs: bool, mark: bool = True) -> UBatch:
-        """The ubatch of tokens `idxs` (a range: a contiguous run, taken by slices)."""
+        """The ubatch of tokens `idxs`. A range (a contiguous run) is taken as views: the
+        allocator's arrays are replaced, never written, by the next init."""
         if isinstance(idxs, range):
             sel = slice(idxs.start, idxs.stop)
             batch_idxs = np.arange(idxs.start, idxs.stop)
@@ -338,13 +336,13 @@ class BatchAllocator:
         if mark:
             self.used[sel] = True
             self.n_used += len(idxs)
-        output = self.output[sel].copy()
+        output = self.output[sel]
         self.out_ids.extend(batch_idxs[output].tolist())
         return UBatch(
             equal_seqs=equal_seqs, n_seq_tokens=len(idxs) // n_seqs, n_seqs=n_seqs,
-            tokens=None if self.tokens is None else self.tokens[sel].copy(),
-            embd=None if self.embd is None else self.embd[sel].copy(),
-            pos=self.pos[sel].copy(), seq_ids=seq_ids, output=output, batch_idxs=batch_idxs,
+            tokens=None if self.tokens is None else self.tokens[sel],
+            embd=None if self.embd is None else self.embd[sel],
+            pos=self.pos[sel], seq_ids=seq_ids, output=output, batch_idxs=batch_idxs,
             seq_id_unq=sorted({s for ids in seq_ids for s in ids}))
 
 
