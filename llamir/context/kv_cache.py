@@ -406,6 +406,8 @@ class KVCache:
 
     # -- graph inputs -----------------------------------------------------------------------------
     def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> np.ndarray:
+        if sinfo.strm == [0]:
+            return sinfo.idxs[0]
         return np.concatenate([strm * self.kv_size + idx for strm, idx in zip(sinfo.strm, sinfo.idxs)])
 
     def v_idxs(self, ubatch: UBatch, sinfo: SlotInfo, n_embd_v_gqa: int) -> np.ndarray:
