@@ -11,6 +11,7 @@ import numpy as np
 log = logging.getLogger("llamir")
 
 LLAMA_MAX_SEQ = 256
+_POS_MAX = np.iinfo(np.int32).max - 1   # llama_pos is int32; a cell's pos + 1 must fit
 _EMPTY_POS = np.zeros(0, dtype=np.int32)
 _EMPTY_POS.flags.writeable = False
 _EMPTY_OUTPUT = np.zeros(0, dtype=bool)
@@ -170,6 +171,9 @@ class BatchAllocator:
                     raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
         self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
         pos = self._positions(batch, memory)
+        if min(pos) < 0 or max(pos) > _POS_MAX:
+            bad = next(i for i, p in enumerate(pos) if not 0 <= p <= _POS_MAX)
+            raise BatchError(f"invalid pos[{bad}] = {pos[bad]} (positions are 0..{_POS_MAX})")
         self.pos = np.array(pos, dtype=np.int32)
         output = [False] * (n - 1) + [True] if batch.logits is None else batch.logits.tolist()
         if len(output) != n:
