@@ -45,6 +45,8 @@ def rewrite(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     if dtype is not None and dtype not in FILE_TYPES:
         raise ValueError(f"dtype={dtype!r} cannot be written by gguf.quants; use one of {tuple(FILE_TYPES)}")
     reader = GGUFReader(src, "r")
+    if reader.endianess != gguf.GGUFEndian.LITTLE:
+        raise ValueError(f"{src}: a big-endian GGUF file; llama.cpp and llamir read little-endian files only")
     arch = _string(reader, "general.architecture")
     block_key = f"{arch}.block_count"
     n_blocks = int(reader.fields[block_key].parts[-1][0])
@@ -55,7 +57,7 @@ def rewrite(src: str | Path, dst: str | Path, *, dtype: str | None = None,
     fd, tmp_name = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=dst.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp_name, arch)
+        writer = _Writer(tmp_name, arch)
         writer.data_alignment = reader.alignment
         _copy_metadata(reader, writer, overrides={
             block_key: n_layer if n_layer is not None else None,
@@ -86,6 +88,20 @@ def rewrite(src: str | Path, dst: str | Path, *, dtype: str | None = None,
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
     return dst
+
+
+class _EncodedValue(bytes):
+    """A metadata value's bytes as encoded in the source file (what follows its type)."""
+
+
+class _Writer(gguf.GGUFWriter):
+    """GGUFWriter that writes an _EncodedValue verbatim after its type."""
+
+    def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool,
+                  sub_type: GGUFValueType | None = None) -> bytes:
+        if isinstance(val, _EncodedValue):
+            return (self._pack("I", vtype) if add_vtype else b"") + val
+        return super()._pack_val(val, vtype, add_vtype, sub_type)
 
 
 def _keep(name: str, n_layer: int | None) -> bool:
@@ -152,7 +168,10 @@ def _copy_metadata(reader: GGUFReader, writer: gguf.GGUFWriter, overrides: dict[
         if vtype == GGUFValueType.ARRAY:
             sub_type = GGUFValueType(field.types[1])
             if sub_type == GGUFValueType.ARRAY:
-                raise NotImplementedError(f"{key}: nested metadata arrays are not copied")
+                # GGUFReader flattens nested arrays, and GGUFWriter would re-type their items:
+                # copy the encoded value as it stands in the source
+                writer.add_key_value(key, _EncodedValue(b"".join(p.tobytes() for p in field.parts[3:])), vtype)
+                continue
             if sub_type == GGUFValueType.STRING:
                 items: list[Any] = [bytes(field.parts[i]) for i in field.data]
             else:

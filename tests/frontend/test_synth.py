@@ -151,6 +151,39 @@ def test_rewrite_without_changes_copies_the_file_exactly(tmp_path):
     assert rewrite(src, tmp_path / "copy.gguf").read_bytes() == src.read_bytes()
 
 
+def test_rewrite_copies_nested_metadata_arrays_exactly(tmp_path, monkeypatch):
+    from llamir.frontend import synth
+
+    add_hparams = synth._add_hparams
+    array = gguf.GGUFValueType.ARRAY
+
+    def with_nested_arrays(writer, spec):
+        add_hparams(writer, spec)
+        writer.add_key_value("test.nested_ints", [[1, 2, 3], [4], [5, 6]], array, sub_type=array)
+        writer.add_key_value("test.nested_strings", [["a", "bc"], ["d"]], array, sub_type=array)
+
+    monkeypatch.setattr(synth, "_add_hparams", with_nested_arrays)
+    src = write_model(tmp_path / "src.gguf", SynthSpec())
+    assert rewrite(src, tmp_path / "copy.gguf").read_bytes() == src.read_bytes()
+    cut = gguf.GGUFReader(rewrite(src, tmp_path / "cut.gguf", n_layer=1))
+    assert [int(cut.fields["test.nested_ints"].parts[i][0]) for i in cut.fields["test.nested_ints"].data] == \
+        [1, 2, 3, 4, 5, 6]
+
+
+def test_rewrite_refuses_a_big_endian_file(tmp_path):
+    path = tmp_path / "be.gguf"
+    writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="big-endian"):
+        rewrite(path, tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
+
+
 @pytest.mark.parametrize("src_dtype,dst_dtype",
                          [("q4_1", "f32"), ("q4_0", "f16"), ("f32", "q8_0"), ("q8_0", "q4_0")])
 def test_rewrite_retypes_every_matrix(tmp_path, src_dtype, dst_dtype):
