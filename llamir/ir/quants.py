@@ -248,6 +248,9 @@ def dequantize(raw: np.ndarray, dtype: DType) -> np.ndarray:
     """float32 [..., n] from bytes [..., row_bytes], equal bit for bit to ggml's dequantize_row_*.
 
     F32/F16/BF16 also accept their element arrays (float32, float16, uint16 bf16 bits)."""
+    fn = _DEQUANT.get(dtype.name)
+    if fn is None and dtype not in (F32, F16, BF16):
+        raise ValueError(f"dequantize: {dtype} is not a float or block type")
     data = _as_bytes(raw, dtype)
     out_shape = quant_shape(data.shape, dtype)
     if dtype == F32:
@@ -257,9 +260,6 @@ def dequantize(raw: np.ndarray, dtype: DType) -> np.ndarray:
     if dtype == BF16:
         bits = np.ascontiguousarray(data).view("<u2").astype(np.uint32) << 16
         return bits.view(_F32).reshape(out_shape)
-    fn = _DEQUANT.get(dtype.name)
-    if fn is None:
-        raise NotImplementedError(f"dequantize does not support {dtype}")
     return fn(data.reshape(-1, block_bytes(dtype))).reshape(out_shape)
 
 
@@ -376,8 +376,9 @@ def _seq_sum(terms: np.ndarray) -> np.ndarray:
 
 
 def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
-                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml's make_qkx2_quants (use_mad=false) on rows x [G, n]: (scale, the_min, L)."""
+                      nstep: int, use_mad: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's make_qkx2_quants on rows x [G, n]: (scale, the_min, L); the error is weighted
+    squared, or absolute with use_mad."""
     f = _F32
     lo, hi = np.minimum(x.min(axis=1), f(0)), x.max(axis=1)
     flat, flat_min = hi == lo, lo  # flat rows return early in C: L = 0, scale 0, the original min
@@ -388,7 +389,8 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
         return np.clip(np.rint(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(f)
 
     def error(scale: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:
-        return _seq_sum(w * np.square((scale[:, None] * q + mn[:, None]) - x))
+        diff = (scale[:, None] * q + mn[:, None]) - x
+        return _seq_sum(w * (np.abs(diff) if use_mad else np.square(diff)))
 
     iscale = f(nmax) / (hi - lo)
     scale = f(1) / iscale
@@ -444,12 +446,14 @@ def _requantize(x: np.ndarray, d: np.ndarray, q_old: np.ndarray, lo: int, hi: in
     return np.where(d == 0, q_old, q).astype(np.int32)
 
 
-def _q_q4_k(x: np.ndarray) -> np.ndarray:
-    """quantize_row_q4_K_ref: per 32-sub-block affine fit, 6-bit scales/mins, 4-bit levels."""
+def _k4_fit(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, np.ndarray]:
+    """What quantize_row_q4_K_ref and q5_K_ref share: per 32-sub-block affine fit, 6-bit
+    scales/mins packed as get_scale_min_k4 reads them. Returns (d, dmin, 12 scale bytes as
+    [nb, 16] bytes) and the levels [nb, 8, 32] in 0..nmax."""
     nb, f = x.shape[0], _F32
     xs = x.reshape(nb * 8, 32)
     av_x = np.sqrt(_seq_sum(xs * xs) / f(32))
-    scales, mins, q = _make_qkx2_quants(xs, av_x[:, None] + np.abs(xs), 15, -1.0, 0.1, 20)
+    scales, mins, q = _make_qkx2_quants(xs, av_x[:, None] + np.abs(xs), nmax, rmin, 0.1, nstep)
     scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
     max_scale = np.maximum(scales.max(axis=1, keepdims=True), f(0))
     max_min = np.maximum(mins.max(axis=1, keepdims=True), f(0))
@@ -465,9 +469,112 @@ def _q_q4_k(x: np.ndarray) -> np.ndarray:
     sc, m = k4_scales_mins(packed)
     d_sub = (_f16_bytes(d).view(np.float16).astype(f) * sc.astype(f)).reshape(-1, 1)
     dm_sub = (_f16_bytes(dmin).view(np.float16).astype(f) * m.astype(f)).reshape(-1, 1)
-    q = _requantize(xs + dm_sub, d_sub, q, 0, 15).reshape(nb, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(nb, 128)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed, qs], axis=1)
+    q = _requantize(xs + dm_sub, d_sub, q, 0, nmax).reshape(nb, 8, 32)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed], axis=1), q
+
+
+def _q_q4_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_K_ref: 4-bit levels, two sub-blocks per 32 bytes of nibbles."""
+    head, q = _k4_fit(x, 15, -1.0, 20)
+    q = q.reshape(-1, 4, 2, 32)
+    return np.concatenate([head, (q[:, :, 0] | (q[:, :, 1] << 4)).astype(np.uint8).reshape(-1, 128)], axis=1)
+
+
+def _q_q5_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_K_ref: 5-bit levels, the low nibbles as in Q4_K, bit 4 of sub-block s
+    in bit s of qh[j]."""
+    head, q = _k4_fit(x, 31, -0.5, 15)
+    qh = sum(((q[:, s] >> 4) & 1) << s for s in range(8)).astype(np.uint8)
+    low = (q & 0xF).reshape(-1, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).astype(np.uint8).reshape(-1, 128)
+    return np.concatenate([head, qh, qs], axis=1)
+
+
+def _pack_2bit(q: np.ndarray) -> np.ndarray:
+    """Levels [nb, 256] in 0..3 -> [nb, 64] bytes: per 128 values, byte l holds l, l+32, l+64, l+96."""
+    q = q.reshape(-1, 2, 4, 32)
+    return sum(q[:, :, k] << (2 * k) for k in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
+def _q_q2_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q2_K_ref: per 16-sub-block affine fit (absolute error), 4-bit scale and min."""
+    nb, f = x.shape[0], _F32
+    xs = x.reshape(nb * 16, 16)
+    scales, mins, q = _make_qkx2_quants(xs, np.abs(xs), 3, -0.5, 0.1, 15, use_mad=True)
+    scales, mins = scales.reshape(nb, 16), mins.reshape(nb, 16)
+    max_scale = np.maximum(scales.max(axis=1, keepdims=True), f(0))
+    max_min = np.maximum(mins.max(axis=1, keepdims=True), f(0))
+    with np.errstate(divide="ignore", invalid="ignore"):   # 15/0 * 0 in the rows it leaves out
+        ls = np.where(max_scale > 0, np.rint((f(15) / max_scale) * scales), 0).astype(np.int64)
+        lm = np.where(max_min > 0, np.rint((f(15) / max_min) * mins), 0).astype(np.int64)
+    packed = ((ls | (lm << 4)) & 0xFF).astype(np.uint8)   # uint8 stores of ints
+    d = np.where(max_scale > 0, max_scale / f(15), f(0))
+    dmin = np.where(max_min > 0, max_min / f(15), f(0))
+    d_sub = (_f16_bytes(d).view(np.float16).astype(f) * (packed & 0xF).astype(f)).reshape(-1, 1)
+    dm_sub = (_f16_bytes(dmin).view(np.float16).astype(f) * (packed >> 4).astype(f)).reshape(-1, 1)
+    q = _requantize(xs + dm_sub, d_sub, q, 0, 3).reshape(nb, 256)
+    return np.concatenate([packed, _pack_2bit(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+
+
+def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_q3_quants with do_rmse on rows x [G, n]: (scale, L in 0..2*nmax-1).
+
+    After the first fit, up to 5 sweeps move one level at a time when that improves
+    sumlx^2/suml2; each sweep visits the elements in order, so the loop runs over elements
+    with all rows at once, and a row stops after a sweep that changed nothing."""
+    f = _F32
+    mx = _signed_absmax(x)
+    zero = np.abs(mx[:, 0]) < f(1e-15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = f(-nmax) / np.where(zero[:, None], f(1), mx)
+    L = np.clip(np.rint(iscale * x), -nmax, nmax - 1).astype(f)
+    w = x * x
+    sumlx, suml2 = _seq_sum(w * x * L), _seq_sum(w * L * L)
+    active = ~zero
+    for _ in range(5):
+        changed = np.zeros_like(active)
+        for i in range(x.shape[1]):
+            xi, wi, li = x[:, i], w[:, i], L[:, i]
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            with np.errstate(divide="ignore", invalid="ignore"):
+                new_l = np.clip(np.rint(xi * sl2 / slx), -nmax, nmax - 1).astype(f)
+            slx_new, sl2_new = slx + wi * xi * new_l, sl2 + wi * new_l * new_l
+            better = slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new
+            take = active & (slx > 0) & (new_l != li) & (sl2_new > 0) & better
+            L[:, i] = np.where(take, new_l, li)
+            sumlx, suml2 = np.where(take, slx_new, sumlx), np.where(take, sl2_new, suml2)
+            changed |= take
+        active &= changed
+        if not active.any():
+            break
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 > 0, sumlx / suml2, f(0))
+    return np.where(zero, f(0), scale), np.where(zero[:, None], 0, L.astype(np.int32) + nmax)
+
+
+def _q_q3_k(x: np.ndarray) -> np.ndarray:
+    """quantize_row_q3_K_ref: per 16-sub-block symmetric fit, 6-bit scales (4 low bits in
+    nibbles, 2 high bits in the last 4 bytes), 3-bit levels with the high bit in hmask."""
+    nb, f = x.shape[0], _F32
+    xs = x.reshape(nb * 16, 16)
+    scales, q = _make_q3_quants(xs, 4)
+    scales = scales.reshape(nb, 16)
+    max_scale = _signed_absmax(scales)
+    some = max_scale != 0
+    with np.errstate(divide="ignore"):
+        iscale = np.where(some, f(-32) / np.where(some, max_scale, f(1)), f(0))
+    ls = np.where(some, np.clip(np.rint(iscale * scales), -32, 31) + 32, 0).astype(np.uint8)
+    high = ls >> 4
+    scale_bytes = np.concatenate([(ls[:, :8] & 0xF) | ((ls[:, 8:] & 0xF) << 4),
+                                  sum(high[:, 4 * k:4 * k + 4] << (2 * k) for k in range(4))], axis=1)
+    with np.errstate(divide="ignore"):
+        d = np.where(some, f(1) / np.where(some, iscale, f(1)), f(0))
+    sc = ls.astype(np.int32) - 32   # the 6-bit scales read back from those bytes
+    d_sub = (_f16_bytes(d).view(np.float16).astype(f) * sc.astype(f)).reshape(-1, 1)
+    q = (_requantize(xs, d_sub, q - 4, -4, 3) + 4).reshape(nb, 256)
+    hmask = sum(((q[:, 32 * k:32 * k + 32] >> 2) & 1) << k for k in range(8)).astype(np.uint8)
+    return np.concatenate([hmask, _pack_2bit(q & 3), scale_bytes.astype(np.uint8), _f16_bytes(d)], axis=1)
 
 
 def _q_q6_k(x: np.ndarray) -> np.ndarray:
@@ -493,7 +600,8 @@ def _q_q6_k(x: np.ndarray) -> np.ndarray:
 _QUANT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     Q4_0.name: _q_q4_0, Q4_1.name: _q_q4_1, Q5_0.name: _q_q5_0, Q5_1.name: _q_q5_1,
     Q8_0.name: lambda x: _q8_0_bytes(*_q8_ref(x)), Q8_1.name: lambda x: _q8_1_bytes(*_q8_ref(x)),
-    Q8_K.name: _q_q8_k, Q4_K.name: _q_q4_k, Q6_K.name: _q_q6_k,
+    Q8_K.name: _q_q8_k, Q2_K.name: _q_q2_k, Q3_K.name: _q_q3_k, Q4_K.name: _q_q4_k, Q5_K.name: _q_q5_k,
+    Q6_K.name: _q_q6_k,
 }
 
 # ggml-cpu's type_traits_cpu[...].from_float on x86 with AVX: only q8_0/q8_1 differ from the ref.
@@ -515,14 +623,14 @@ def _encode(x: np.ndarray, dtype: DType, table: dict[str, Callable[[np.ndarray],
         return fp32_to_bf16_bits(x).view(np.uint8).reshape(shape)
     fn = table.get(dtype.name)
     if fn is None:
-        raise NotImplementedError(f"{what} does not support {dtype}")
+        raise ValueError(f"{what}: {dtype} is not a float or block type")
     return fn(x.reshape(-1, dtype.block_size)).reshape(shape)
 
 
 def quantize(x: np.ndarray, dtype: DType) -> np.ndarray:
     """uint8 bytes [..., row_bytes] of float32 x [..., n], equal bit for bit to ggml's quantize_row_*_ref.
 
-    Supports F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q8_K, Q4_K, Q6_K."""
+    Supports every float and block type (F32, F16, BF16, Q4_0..Q8_1, Q2_K..Q8_K)."""
     return _encode(x, dtype, _QUANT, "quantize")
 
 
@@ -548,7 +656,7 @@ def vec_dot_type(dtype: DType) -> DType:
     try:
         return _VEC_DOT_TYPE[dtype.name]
     except KeyError:
-        raise NotImplementedError(f"no CPU vec_dot_type known for weight type {dtype}") from None
+        raise ValueError(f"no CPU vec_dot_type for {dtype}: mul_mat weights are float or block types") from None
 
 
 def activation_roundtrip(b: np.ndarray, dtype: DType) -> np.ndarray:
@@ -560,7 +668,7 @@ def activation_roundtrip(b: np.ndarray, dtype: DType) -> np.ndarray:
 def split_scale_min(a_raw: np.ndarray, dtype: DType) -> tuple[np.ndarray, np.ndarray]:
     """Q4_1/Q5_1 weight [M, row_bytes] -> (d*q float32 [M, K], per-block min m float32 [M, K/32])."""
     if dtype not in (Q4_1, Q5_1):
-        raise NotImplementedError(f"split_scale_min is for Q4_1/Q5_1, got {dtype}")
+        raise ValueError(f"split_scale_min is for Q4_1/Q5_1, got {dtype}")
     data = _as_bytes(a_raw, dtype)
     blocks = data.reshape(-1, block_bytes(dtype))
     q = _halves(blocks[:, 4:20]) if dtype == Q4_1 else (

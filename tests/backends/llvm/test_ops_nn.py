@@ -25,15 +25,7 @@ def _weight(shape, dtype):
         return x.astype(np.float16)
     if dtype == BF16:
         return (x.view(np.uint32) >> 16).astype(np.uint16)
-    try:
-        return quants.quantize(x, dtype)
-    except NotImplementedError:   # types without a reference quantizer: random blocks, sane scales
-        raw = rng.integers(0, 256, shape[:-1] + (dtype.row_bytes(shape[-1]),), dtype=np.uint8)
-        blocks = raw.reshape(-1, dtype.type_size)
-        half = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        for off in {"q5_k": (0, 2), "q2_k": (80, 82), "q3_k": (108,)}[dtype.name]:
-            blocks[:, off:off + 2] = half
-        return raw
+    return quants.quantize(x, dtype)
 
 
 # -- norms, softmax, reductions ----------------------------------------------------------------
