@@ -3,6 +3,7 @@ that ties a compiled graph to them (llm_graph_result) with llama.cpp's reuse tes
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -54,13 +55,14 @@ def put_input(values: dict[str, np.ndarray], name: str, data: np.ndarray, dtype)
         values[name] = np.array(data, dtype=dtype)
 
 
-class GraphInput:
+class GraphInput(ABC):
     """One input object: the leaves it owns, how to fill them, and whether a graph may be reused."""
 
     leaf_names: tuple[str, ...] = ()
 
+    @abstractmethod
     def set_input(self, ubatch: UBatch, values: dict[str, np.ndarray]) -> None:
-        raise NotImplementedError
+        """Fill this input's leaves in `values` from the ubatch."""
 
     def can_reuse(self, params: GraphParams) -> bool:
         return False

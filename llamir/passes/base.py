@@ -16,6 +16,7 @@ patterns and the greedy driver that applies them to a fixed point.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
@@ -33,13 +34,14 @@ def register_pass(cls: type[GraphPass]) -> type[GraphPass]:
     return cls
 
 
-class GraphPass:
+class GraphPass(ABC):
     """A named transformation: run(graph) changes the graph in place and says whether it did."""
 
     name: ClassVar[str] = "?"
 
+    @abstractmethod
     def run(self, graph: Graph) -> bool:
-        raise NotImplementedError(f"{type(self).__name__}.run")
+        """Transform `graph` in place; True if anything changed."""
 
     def __repr__(self) -> str:
         return f"<pass {self.name}>"
@@ -145,13 +147,14 @@ def _depends_on(x: Node, new: Node, order: dict[int, int], limit: int) -> bool:
     return False
 
 
-class RewritePattern:
+class RewritePattern(ABC):
     """One local rewrite rooted at a node of type `root`; the docstring states its algebra."""
 
     root: ClassVar[type[Op] | tuple[type[Op], ...]] = Op
 
+    @abstractmethod
     def match_and_rewrite(self, node: Node, rw: Rewriter) -> bool:
-        raise NotImplementedError(f"{type(self).__name__}.match_and_rewrite")
+        """Rewrite at `node` through `rw` if the pattern matches; True if it did."""
 
 
 def apply_patterns(graph: Graph, patterns: Iterable[RewritePattern], max_iterations: int = 20) -> bool:

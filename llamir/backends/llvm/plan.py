@@ -14,6 +14,7 @@ Temporaries then share arena memory when their stage intervals do not overlap.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -108,7 +109,7 @@ class Part:
     n_units: Expr
 
 
-class Kernel:
+class Kernel(ABC):
     """A generated function `void k(i32 ith, i32 nth, ptr..., i64..., ptr frame)`.
 
     `ints` are the kernel's integer parameters: ints are compiled in (they are part of the key,
@@ -131,8 +132,9 @@ class Kernel:
     def key(self) -> tuple:
         return (type(self).__name__, self.config(), self.n_ptrs, self.pattern)
 
+    @abstractmethod
     def emit(self, em, args) -> None:
-        raise NotImplementedError(type(self).__name__)
+        """Emit the body on Emitter `em`; `args` are the function's arguments after ith, nth."""
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,7 +30,7 @@ class ArchError(ValueError):
     """A model whose metadata or tensors do not fit its architecture."""
 
 
-class Architecture:
+class Architecture(ABC):
     """Subclasses set `name` and `rope_type`, list their tensors, and build the graph."""
 
     name: ClassVar[str]
@@ -37,17 +38,19 @@ class Architecture:
 
     def load_hparams(self, f, hp: HParams) -> None:
         """Arch-specific keys and checks (load_arch_hparams); the default needs an rms eps."""
+        require_rms_eps(f, hp)
 
+    @abstractmethod
     def tensor_specs(self, hp: HParams) -> list[TensorSpec]:
-        raise NotImplementedError
+        """The tensors this architecture loads (load_arch_tensors)."""
 
     def rope_freq_base(self, hp: HParams, rope, il: int) -> float:
         """The rope base of layer il (llama_model::get_rope_freq_base); SWA layers may differ."""
         return rope.freq_base
 
+    @abstractmethod
     def build(self, g) -> None:
         """Build the decoder graph on a GraphContext `g`."""
-        raise NotImplementedError
 
 
 def decoder_specs(hp: HParams, *, qkv_bias: bool = False, qk_norm: bool = False) -> list[TensorSpec]:

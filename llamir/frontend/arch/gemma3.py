@@ -12,7 +12,6 @@ from llamir.frontend.arch.base import (
     TensorSpec,
     decoder_specs,
     register_arch,
-    require_rms_eps,
 )
 
 
@@ -22,7 +21,7 @@ class Gemma3(Architecture):
     rope_type = ROPE_NEOX
 
     def load_hparams(self, f, hp) -> None:
-        require_rms_eps(f, hp)
+        super().load_hparams(f, hp)
         key = f"{hp.arch}."
         if hp.n_swa > 0:
             hp.swa_type = "standard"

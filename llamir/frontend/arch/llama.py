@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import ROPE_NORM, ArchError, Architecture, decoder_specs, register_arch, require_rms_eps
+from llamir.frontend.arch.base import ROPE_NORM, ArchError, Architecture, decoder_specs, register_arch
 
 
 @register_arch
@@ -13,7 +13,7 @@ class Llama(Architecture):
     rope_type = ROPE_NORM
 
     def load_hparams(self, f, hp) -> None:
-        require_rms_eps(f, hp)
+        super().load_hparams(f, hp)
         if hp.n_rot != hp.n_embd_head_k:
             raise ArchError(f"invalid n_rot: {hp.n_rot}, expected {hp.n_embd_head_k}")
 

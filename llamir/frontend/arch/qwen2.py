@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llamir.frontend.arch.base import ROPE_NEOX, decoder_specs, register_arch
+from llamir.frontend.arch.base import ROPE_NEOX, Architecture, decoder_specs, register_arch
 from llamir.frontend.arch.llama import Llama
 
 
@@ -12,9 +12,7 @@ class Qwen2(Llama):
     rope_type = ROPE_NEOX
 
     def load_hparams(self, f, hp) -> None:
-        from llamir.frontend.arch.base import require_rms_eps
-
-        require_rms_eps(f, hp)
+        Architecture.load_hparams(self, f, hp)   # the rms eps, without llama's n_rot check
 
     def tensor_specs(self, hp):
         return decoder_specs(hp, qkv_bias=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import ROPE_NEOX, decoder_specs, register_arch, require_rms_eps
+from llamir.frontend.arch.base import ROPE_NEOX, Architecture, decoder_specs, register_arch
 from llamir.frontend.arch.llama import Llama
 
 
@@ -15,7 +15,7 @@ class Qwen3(Llama):
     rope_type = ROPE_NEOX
 
     def load_hparams(self, f, hp) -> None:
-        require_rms_eps(f, hp)
+        Architecture.load_hparams(self, f, hp)   # the rms eps, without llama's n_rot check
 
     def tensor_specs(self, hp):
         return decoder_specs(hp, qk_norm=True)

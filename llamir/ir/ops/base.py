@@ -8,6 +8,7 @@ names and semantics, in numpy dimension order.
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from llamir.ir.types import TensorType
@@ -35,7 +36,7 @@ def register_op(cls: type[Op]) -> type[Op]:
     return cls
 
 
-class Op:
+class Op(ABC):
     """Base of all ops. Subclasses are `@register_op @dataclass(frozen=True, slots=True)`."""
 
     name: ClassVar[str] = "?"
@@ -50,8 +51,9 @@ class Op:
         """How many inputs this op instance takes (optional operands are attribute-driven)."""
         return self.arity
 
+    @abstractmethod
     def infer(self, *inputs: TensorType) -> TensorType:
-        raise NotImplementedError(f"{type(self).__name__}.infer")
+        """The result type for these input types; IRError (via `require`) when they do not fit."""
 
     def check_and_infer(self, inputs: tuple[TensorType, ...]) -> TensorType:
         """Arity check, then `infer`; errors name the op."""

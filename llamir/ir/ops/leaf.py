@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llamir.ir.ops.base import Op, register_op, require
+from llamir.ir.ops.base import IRError, Op, register_op, require
+from llamir.ir.types import TensorType
 
 LEAF_KINDS = ("input", "weight", "state")
 
@@ -23,3 +24,6 @@ class Leaf(Op):
 
     def __post_init__(self) -> None:
         require(self.kind in LEAF_KINDS, f"leaf kind must be one of {LEAF_KINDS}, got {self.kind!r}")
+
+    def infer(self, *inputs: TensorType) -> TensorType:
+        raise IRError(f"a {self.kind} leaf has no inputs: its type is declared when it is added, not inferred")
