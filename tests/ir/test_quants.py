@@ -533,11 +533,14 @@ def test_dequantize_matches_libggml(rng, libggml, dtype):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("dtype", [*LEGACY, Q8_1, Q8_K, Q4_K, Q6_K, F16, BF16], ids=str)
+@pytest.mark.parametrize("dtype", [*LEGACY, Q8_1, Q8_K, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16], ids=str)
 def test_quantize_and_cpu_from_float_match_libggml(rng, libggml, dtype):
     x = test_data(rng, 16, 512)
     x[3] = np.abs(x[3])  # all-positive rows take the `this_min > 0` branch of make_qkx2_quants
     x[4, :200] = 0
+    x[5] = -np.abs(x[5])
+    x[6] *= f32(1e-3)
+    x[7, ::7] = f32(3.5)  # repeats and ties
     np.testing.assert_array_equal(quants.quantize(x, dtype), libggml.from_float(x, dtype, cpu=False))
     if dtype in (Q8_0, Q8_1, Q8_K, F16, BF16):  # the vec_dot types
         np.testing.assert_array_equal(quants.cpu_from_float(x, dtype), libggml.from_float(x, dtype, cpu=True))
