@@ -104,6 +104,17 @@ class Emitter:
             return 0
         return self.b.mul(self.i64(a), self.i64(b))
 
+
+    def n_rows(self, shape: Sequence[Val]) -> Val:
+        """Rows of a padded rank-4 tensor: shape[0] * shape[1] * shape[2] (shape[3] is the row)."""
+        return self.mul(self.mul(shape[0], shape[1]), shape[2])
+
+    def offset(self, index: Sequence[Val], strides: Sequence[Val]) -> Val:
+        """sum(index[k] * strides[k]): where element `index` is, in units of the strides."""
+        total: Val = 0
+        for i, st in zip(index, strides, strict=True):
+            total = self.add(total, self.mul(i, st))
+        return total
     def div(self, a: Val, b: Val) -> Val:
         """Floor division of non-negative values."""
         if isinstance(a, int) and isinstance(b, int):

@@ -157,7 +157,7 @@ class FlashAttn(Kernel):
     def _mask_row(self, em: Emitter, s, h, t):
         d = self.d
         msh, mst = d["msh"], d["mst"]
-        off = em.add(em.add(em.mul(em.rem(s, msh[0]), mst[0]), em.mul(em.rem(h, msh[1]), mst[1])), em.mul(t, mst[2]))
+        off = em.offset((em.rem(s, msh[0]), em.rem(h, msh[1]), t), mst[:3])
         return em.gep(self.p["mask"], off)
 
     def _mask_value(self, em: Emitter, mrow, c, slope):
@@ -169,7 +169,7 @@ class FlashAttn(Kernel):
         d = self.d
         st = d["ks"] if which == "k" else d["vs"]
         kh = em.div(h, em.div(d["H"], d["hkv"]))
-        return em.gep(self.p[which], em.add(em.add(em.mul(s, st[0]), em.mul(kh, st[1])), em.mul(c, st[2])))
+        return em.gep(self.p[which], em.offset((s, kh, c), st[:3]))
 
     def _finish_row(self, em: Emitter, acc_ptr, acc_dt: str, M, S, s, t, h) -> None:
         """Sinks, 1/S, store y[s, t, h, :] (f32)."""
@@ -183,7 +183,7 @@ class FlashAttn(Kernel):
             total = b.fadd(b.fmul(total, ms), vsk)
         inv = b.select(b.fcmp_ordered("==", total, em.f32(0.0)), em.f32(0.0), b.fdiv(em.f32(1.0), total))
         ys = d["ys"]
-        yrow = em.gep(self.p["y"], em.add(em.add(em.mul(s, ys[0]), em.mul(t, ys[1])), em.mul(h, ys[2])))
+        yrow = em.gep(self.p["y"], em.offset((s, t, h), ys[:3]))
 
         def body(i, lanes):
             x = _vload(em, acc_ptr, i, acc_dt, lanes)
@@ -220,8 +220,7 @@ class FlashAttn(Kernel):
             h0 = em.max(em.sub(r0, em.mul(g, H)), 0)
             h1 = em.min(em.sub(r1, em.mul(g, H)), H)
             with em.loop(h0, h1, name="init") as h:
-                qrow = em.gep(self.p["q"], em.add(em.add(em.mul(s, d["qs"][0]), em.mul(h, d["qs"][1])),
-                                                  em.mul(t, d["qs"][2])))
+                qrow = em.gep(self.p["q"], em.offset((s, h, t), d["qs"][:3]))
                 qdst = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
                 chunked(em, DK, lambda i, lanes, qrow=qrow, qdst=qdst: _vstore(
                     em, _vload(em, qrow, i, "f32", lanes), qdst, i, qv_dt))
@@ -307,8 +306,7 @@ class FlashAttn(Kernel):
             rows = em.min(TILE, em.sub(T, t0))
             slope = self._slope(em, h)
             with em.loop(0, rows, name="qload") as i:
-                qrow = em.gep(self.p["q"], em.add(em.add(em.mul(s, d["qs"][0]), em.mul(h, d["qs"][1])),
-                                                  em.mul(em.add(t0, i), d["qs"][2])))
+                qrow = em.gep(self.p["q"], em.offset((s, h, em.add(t0, i)), d["qs"][:3]))
                 dst = em.gep(Q, em.mul(em.mul(i, DK), 4))
                 chunked(em, DK, lambda j, lanes, qrow=qrow, dst=dst: _vstore(
                     em, _vload(em, qrow, j, "f32", lanes), dst, j, "f32"))

@@ -58,7 +58,7 @@ class Elementwise(Kernel):
         ints = a.ints
         shape, ostr = ints[0:4], ints[4:8]
         ins = [(ints[8 + 8 * i:12 + 8 * i], ints[12 + 8 * i:16 + 8 * i]) for i in range(len(self.in_dtypes))]
-        n_rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        n_rows = em.n_rows(shape)
         cols = shape[3]
         r0, r1 = em.split(n_rows, a.ith, a.nth)
         with em.loop(r0, r1, name="row") as r:

@@ -75,7 +75,7 @@ class GetRows(Kernel):
         shape, ostr = a.ints[0:4], a.ints[4:8]
         n_src_rows = a.ints[8]
         astr, istr, site = a.ints[10:14], a.ints[14:17], a.ints[17]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         out_dt, a_dt, i_dt = self.dtypes
         bs, bb = self.block
@@ -83,13 +83,11 @@ class GetRows(Kernel):
             i = em.rem(r, shape[2])
             rest = em.div(r, shape[2])
             i2, i3 = em.rem(rest, shape[1]), em.div(rest, shape[1])
-            idx = _load_index(em, a.ptrs[2], em.add(em.add(em.mul(i3, istr[0]), em.mul(i2, istr[1])),
-                                                   em.mul(i, istr[2])), i_dt)
+            idx = _load_index(em, a.ptrs[2], em.offset((i3, i2, i), istr[:3]), i_dt)
             ok = _check(em, a, idx, n_src_rows, site)
             with em.if_(ok):
-                src = em.gep(a.ptrs[1], em.add(em.add(em.mul(i3, astr[0]), em.mul(i2, astr[1])),
-                                               em.mul(idx, astr[2])))
-                dst = em.gep(a.ptrs[0], em.add(em.add(em.mul(i3, ostr[0]), em.mul(i2, ostr[1])), em.mul(i, ostr[2])))
+                src = em.gep(a.ptrs[1], em.offset((i3, i2, idx), astr[:3]))
+                dst = em.gep(a.ptrs[0], em.offset((i3, i2, i), ostr[:3]))
                 copy_row(em, dst, src, shape[3], a_dt, out_dt, astr[3], ostr[3], bb, bs)
 
 
@@ -112,7 +110,7 @@ class SetRows(Kernel):
         shape, sstr = a.ints[0:4], a.ints[4:8]
         n_dst_rows = a.ints[8]
         dstr, ish, istr, site = a.ints[9:13], a.ints[13:16], a.ints[16:19], a.ints[19]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         dst_dt, src_dt, i_dt = self.dtypes
         bs, bb = self.block
@@ -120,13 +118,12 @@ class SetRows(Kernel):
             i = em.rem(r, shape[2])
             rest = em.div(r, shape[2])
             i2, i3 = em.rem(rest, shape[1]), em.div(rest, shape[1])
-            ioff = em.add(em.add(em.mul(em.rem(i3, ish[0]), istr[0]), em.mul(em.rem(i2, ish[1]), istr[1])),
-                          em.mul(i, istr[2]))
+            ioff = em.offset((em.rem(i3, ish[0]), em.rem(i2, ish[1]), i), istr[:3])
             idx = _load_index(em, a.ptrs[2], ioff, i_dt)
             ok = _check(em, a, idx, n_dst_rows, site)
             with em.if_(ok):
-                src = em.gep(a.ptrs[1], em.add(em.add(em.mul(i3, sstr[0]), em.mul(i2, sstr[1])), em.mul(i, sstr[2])))
-                dst = em.gep(a.ptrs[0], em.add(em.add(em.mul(i3, dstr[0]), em.mul(i2, dstr[1])), em.mul(idx, dstr[2])))
+                src = em.gep(a.ptrs[1], em.offset((i3, i2, i), sstr[:3]))
+                dst = em.gep(a.ptrs[0], em.offset((i3, i2, idx), dstr[:3]))
                 if bs == 1:
                     copy_row(em, dst, src, shape[3], src_dt, dst_dt, sstr[3], dstr[3])
                 else:
@@ -158,7 +155,7 @@ class ConvertRows(Kernel):
         from llamir.backends.llvm.kernels.rows import row_pointer
 
         shape, sst, dstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         (dbs, dbb), (sbs, sbb) = self.blocks
         d_dt, s_dt = self.dtypes

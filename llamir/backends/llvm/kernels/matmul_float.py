@@ -209,7 +209,7 @@ class MatPrep(Kernel):
         from llamir.backends.llvm.kernels.rows import row_pointer
 
         shape, sst, ost = a.ints[0:4], a.ints[4:8], a.ints[8:12]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         with em.loop(r0, r1, name="row") as r:
             src = row_pointer(em, a.ptrs[1], r, shape[:3], sst[:3])

@@ -217,7 +217,7 @@ class MatMulQDirect(Kernel):
             ai1 = em.div(i1, em.div(yshape[1], ash[1]))
             A = em.gep(w_ptr, em.add(em.mul(ai0, astr[0]), em.mul(ai1, astr[1])))
             xrow = em.gep(x_ptr, em.mul(u, row_bytes))
-            yrow = em.gep(y_ptr, em.add(em.add(em.mul(i0, ystr[0]), em.mul(i1, ystr[1])), em.mul(n, ystr[2])))
+            yrow = em.gep(y_ptr, em.offset((i0, i1, n), ystr[:3]))
             with em.loop(0, M, name="m") as m:
                 arow = em.gep(A, em.mul(m, astr[2]))
                 with em.if_else(block_order) as (then, otherwise):

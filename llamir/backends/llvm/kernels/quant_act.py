@@ -50,7 +50,7 @@ class QuantAct(Kernel):
         from llamir.backends.llvm.kernels.rows import row_pointer
 
         shape, st = a.ints[0:3], a.ints[3:7]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         nb, off_d, off_aux, off_corr, row_bytes = act_layout(self.fmt, self.K)
         ety = storage_type(self.src_dtype)

@@ -98,8 +98,8 @@ class Rope(Kernel):
             bi = em.div(u, shape[1])
             cache_row = em.mul(em.mul(t, self.half), 8)
             with em.loop(0, shape[2], name="head") as h:
-                xrow = em.gep(a.ptrs[1], em.add(em.add(em.mul(bi, xs[0]), em.mul(t, xs[1])), em.mul(h, xs[2])))
-                yrow = em.gep(a.ptrs[0], em.add(em.add(em.mul(bi, ys[0]), em.mul(t, ys[1])), em.mul(h, ys[2])))
+                xrow = em.gep(a.ptrs[1], em.offset((bi, t, h), xs[:3]))
+                yrow = em.gep(a.ptrs[0], em.offset((bi, t, h), ys[:3]))
 
                 def ld(col):
                     return em.to_f32(em.load(xty, xrow, em.mul(col, xs[3])), x_dt)

@@ -67,7 +67,7 @@ class RowNorm(Kernel):
         shape, ostr, xstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
         extra = [(a.ints[12 + 8 * i:16 + 8 * i], a.ints[16 + 8 * i:20 + 8 * i]) for i in range(len(self.modes))]
         n = shape[3]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         out_dt, x_dt = self.dtypes[0], self.dtypes[1]
         with em.loop(r0, r1, name="row") as r:
@@ -160,7 +160,7 @@ class SoftMax(Kernel):
         b = em.b
         shape, ostr, xstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
         n = shape[3]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         ptrs = list(a.ptrs)
         if self.has_mask:
@@ -177,8 +177,7 @@ class SoftMax(Kernel):
                 slope = em.load(F32, table, em.mul(head, 4))
             mrow = None
             if self.has_mask:
-                off = em.add(em.add(em.mul(em.rem(i0, msh[0]), mst[0]), em.mul(em.rem(head, msh[1]), mst[1])),
-                             em.mul(i2, mst[2]))
+                off = em.offset((em.rem(i0, msh[0]), em.rem(head, msh[1]), i2), mst[:3])
                 mrow = em.gep(ptrs[2], off)
             # w = x*scale (+ slope*mask), kept in y; then the row max
             mx = em.var(F32, em.f32(float("-inf")))
@@ -269,7 +268,7 @@ class RowSum(Kernel):
     def emit(self, em: Emitter, a) -> None:
         b = em.b
         shape, ostr, xstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         with em.loop(r0, r1, name="row") as r:
             xrow = row_pointer(em, a.ptrs[1], r, shape[:3], xstr[:3])
@@ -295,7 +294,7 @@ class TotalSum(Kernel):
     def emit(self, em: Emitter, a) -> None:
         b = em.b
         shape, xstr = a.ints[0:4], a.ints[4:8]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         with em.if_(b.icmp_signed("==", a.ith, ir.Constant(I64, 0))):
             acc = em.var(F64, ir.Constant(F64, 0.0))
             with em.loop(0, rows, name="row") as r:
@@ -323,7 +322,7 @@ class Sort(Kernel):
         b = em.b
         shape, ostr, xstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
         n = shape[3]
-        rows = em.mul(em.mul(shape[0], shape[1]), shape[2])
+        rows = em.n_rows(shape)
         r0, r1 = em.split(rows, a.ith, a.nth)
         scratch = a.ptrs[2]
         with em.loop(r0, r1, name="row") as r:
@@ -416,10 +415,8 @@ class GroupNorm(Kernel):
                 with em.loop(c0, c1, name="ch") as c:
                     with em.loop(0, shape[2], name="l") as li:
                         with em.loop(0, shape[3], name="w") as wi:
-                            xo = em.add(em.add(em.add(em.mul(bi, xstr[0]), em.mul(c, xstr[1])),
-                                               em.mul(li, xstr[2])), em.mul(wi, xstr[3]))
-                            yo = em.add(em.add(em.add(em.mul(bi, ostr[0]), em.mul(c, ostr[1])),
-                                               em.mul(li, ostr[2])), em.mul(wi, ostr[3]))
+                            xo = em.offset((bi, c, li, wi), xstr)
+                            yo = em.offset((bi, c, li, wi), ostr)
                             fn(em.to_f32(em.load(storage_type(self.dtypes[1]), a.ptrs[1], xo), self.dtypes[1]), yo)
 
             acc = em.var(F64, ir.Constant(F64, 0.0))
