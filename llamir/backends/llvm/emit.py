@@ -8,7 +8,7 @@ which LLVM promotes to registers, and memory is addressed as a byte pointer plus
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import llvmlite.ir as ir
@@ -205,8 +205,8 @@ class Emitter:
 
     # -- control flow -------------------------------------------------------------------------
     @contextmanager
-    def loop(self, start: Val, stop: Val, step: int = 1, name: str = "i") -> Iterator[ir.Value]:
-        """for (i = start; i < stop; i += step): yields i (i64)."""
+    def loop(self, start: Val, stop: Val, step: Val = 1, name: str = "i") -> Iterator[ir.Value]:
+        """for (i = start; i < stop; i += step): yields i (i64); step > 0, compiled in or run-time."""
         b = self.b
         start, stop = self.i64(start), self.i64(stop)
         pre = b.block
@@ -220,10 +220,21 @@ class Emitter:
         b.cbranch(b.icmp_signed("<", i, stop), body, done)
         b.position_at_end(body)
         yield i
-        nxt = b.add(i, ir.Constant(I64, step))
+        nxt = b.add(i, self.i64(step))
         i.add_incoming(nxt, b.block)
         b.branch(head)
         b.position_at_end(done)
+
+    def tiles(self, start: Val, stop: Val, width: int, tile: Callable[[Val, int], None], name: str = "t") -> None:
+        """tile(t, w) over [start, stop): full tiles of `width` in a loop, then the remainder, with
+        its width compiled in (one branch per possible remainder)."""
+        full = self.add(start, self.mul(self.div(self.sub(stop, start), width), width))
+        with self.loop(start, full, width, name=name) as t:
+            tile(t, width)
+        rest = self.sub(stop, full)
+        for w in range(1, width):
+            with self.if_(self.icmp("==", rest, w)):
+                tile(full, w)
 
     @contextmanager
     def if_(self, cond: ir.Value) -> Iterator[None]:

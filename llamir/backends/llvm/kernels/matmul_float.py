@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F32, F64, I64, Emitter, storage_type, vec
+from llamir.backends.llvm.emit import F32, F64, Emitter, storage_type, vec
 from llamir.backends.llvm.plan import Kernel, Ref
 
 LANES = 16
@@ -89,18 +89,10 @@ class MatMulFloat(Kernel):
 
     # -- tinyBLAS order ----------------------------------------------------------------------
     def _tiles(self, em: Emitter, A, B, Y, scratch, m0, m1, N, K, lda, ldb, ldy) -> None:
-        b = em.b
         widen = self.a_dtype != "f32"
         nb = em.max(RN * 4, em.min(512, em.mul(em.div(em.div(L2_BUDGET, em.mul(K, 4)), RN), RN)))
-        n0v = em.var(I64, ir.Constant(I64, 0))
-        head, body, done = (em.fn.append_basic_block(x) for x in ("nb.head", "nb.body", "nb.done"))
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(em.icmp("<", em.get(n0v), N), body, done)
-        b.position_at_end(body)
-        n0 = em.get(n0v)
-        n1 = em.min(em.add(n0, nb), N)
-        with em.loop(m0, m1, RM, name="mt") as mt:
+        with em.loop(0, N, nb, name="nb") as n0, em.loop(m0, m1, RM, name="mt") as mt:
+            n1 = em.min(em.add(n0, nb), N)
             if widen:   # RM weight rows -> f32 scratch [RM][K]
                 with em.loop(0, K, LANES, name="wk") as k:
                     for i in range(RM):
@@ -112,16 +104,8 @@ class MatMulFloat(Kernel):
             else:
                 arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
                 astep, adt = 4, "f32"
-            full = em.add(n0, em.mul(em.div(em.sub(n1, n0), RN), RN))
-            with em.loop(n0, full, RN, name="nt") as nt:
-                self._tile(em, arow, astep, adt, B, Y, mt, nt, RN, K, ldb, ldy)
-            rest = em.sub(n1, full)
-            for rn in range(1, RN):
-                with em.if_(em.icmp("==", rest, rn)):
-                    self._tile(em, arow, astep, adt, B, Y, mt, full, rn, K, ldb, ldy)
-        em.set(n0v, em.i64(n1))
-        b.branch(head)
-        b.position_at_end(done)
+            em.tiles(n0, n1, RN, lambda nt, rn: self._tile(em, arow, astep, adt, B, Y, mt, nt, rn, K, ldb, ldy),
+                     name="nt")
 
     def _asize(self) -> int:
         return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]

@@ -46,34 +46,18 @@ class MatMulQ(Kernel):
         return (self.fmt, self.K, self.rn)
 
     def emit(self, em: Emitter, a) -> None:
-        b = em.b
         N, M = a.ints
         y_ptr, w_ptr, x_ptr = a.ptrs
         nb, _, _, _, row_bytes = act_layout(self.fmt, self.K)
         groups = em.cdiv(M, G)
         g0, g1 = em.split(groups, a.ith, a.nth)
         n_block = max(self.rn, (L2_BUDGET // row_bytes) // self.rn * self.rn)
-        n0v = em.var(ir.IntType(64), em.i64(0))
-        head, body, done = (em.fn.append_basic_block(x) for x in ("nb.head", "nb.body", "nb.done"))
-        b.branch(head)
-        b.position_at_end(head)
-        b.cbranch(em.icmp("<", em.get(n0v), N), body, done)
-        b.position_at_end(body)
-        n0 = em.get(n0v)
-        n1 = em.min(em.add(n0, n_block), N)
-        with em.loop(g0, g1, name="grp") as g:
+        with em.loop(0, N, n_block, name="nb") as n0, em.loop(g0, g1, name="grp") as g:
+            n1 = em.min(em.add(n0, n_block), N)
             wg = em.gep(w_ptr, em.mul(g, nb * self.fmt.block_bytes))
             valid = em.min(em.sub(M, em.mul(g, G)), G)
-            full = em.add(n0, em.mul(em.div(em.sub(n1, n0), self.rn), self.rn))
-            with em.loop(n0, full, self.rn, name="nt") as nt:
-                self._tile(em, wg, x_ptr, y_ptr, g, nt, self.rn, M, valid, nb, row_bytes)
-            rest = em.sub(n1, full)
-            for rn in range(1, self.rn):
-                with em.if_(em.icmp("==", rest, rn)):
-                    self._tile(em, wg, x_ptr, y_ptr, g, full, rn, M, valid, nb, row_bytes)
-        em.set(n0v, em.i64(n1))
-        b.branch(head)
-        b.position_at_end(done)
+            em.tiles(n0, n1, self.rn, lambda nt, rn: self._tile(em, wg, x_ptr, y_ptr, g, nt, rn, M, valid, nb,
+                                                                 row_bytes), name="nt")
 
     # -- one tile: 16 rows x rn tokens -------------------------------------------------------------
     def _tile(self, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int, M, valid, nb: int, row_bytes: int) -> None:
