@@ -209,6 +209,38 @@ def _whitespace_end(cpts: list[int], flags: list[int], pos: int, end: int, newli
     return pos + max(n, 1)
 
 
+def _digit_groups(flags: list[int], pos: int, prev: int, end: int, max_digits: int, out: list[int]) -> tuple[int, int]:
+    """\\p{N}{1,max_digits}, repeated over a run of digits: every full group but the last is
+    emitted here; returns (pos, prev) with the last group for the caller to emit."""
+    start = pos
+    while pos < end and flags[pos] & NUMBER:
+        pos += 1
+        if pos - start >= max_digits:
+            out.append(pos - prev)
+            prev = start = pos
+    return pos, prev
+
+
+def _symbols_or_whitespace(cpts: list[int], flags: list[int], pos: int, end: int, other: int,
+                           test_current: bool) -> int:
+    """The end of ` ?[^\\s{other}]+[\\r\\n]*` at pos, else of the whitespace rules. llama.cpp's
+    llama3 splitter tests the current flag (not the next one) for "inside the text"
+    (`test_current`): a lone trailing space then becomes its own word, which \\s+ would also give."""
+    def fl(p: int) -> int:
+        return flags[p] if p < end else 0
+
+    cpt, f = cpts[pos], flags[pos]
+    f2 = fl(pos + 1) if cpt == _SPACE else f
+    if (f if test_current else f2) and not f2 & other:
+        pos += cpt == _SPACE
+        while (f2 := fl(pos)) and not f2 & other:
+            pos += 1
+        while pos < end and cpts[pos] in (_CR, _LF):
+            pos += 1
+        return pos
+    return _whitespace_end(cpts, flags, pos, end, newline_runs=True)
+
+
 def _llama3_family(max_digits: int, letter: int) -> Splitter:
     """The llama3 (digits in threes), qwen2 (single digits) and qwen35 (letters take \\p{M}) splitters,
     with L the letter class: (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?L+|\\p{N}{1,max}
@@ -230,24 +262,9 @@ def _llama3_family(max_digits: int, letter: int) -> Splitter:
                 while fl(pos) & letter:
                     pos += 1
             elif f & NUMBER:
-                start = pos
-                while fl(pos) & NUMBER:
-                    pos += 1
-                    if pos - start >= max_digits:
-                        out.append(pos - prev)
-                        prev = start = pos
+                pos, prev = _digit_groups(flags, pos, prev, end, max_digits, out)
             else:
-                f2 = fl(pos + 1) if cpt == _SPACE else f
-                # llama.cpp tests `f` (not f2) for "inside the text" here; a lone trailing
-                # space therefore becomes its own word, which \s+ would also give
-                if f and not f2 & other:
-                    pos += cpt == _SPACE
-                    while (f2 := fl(pos)) and not f2 & other:
-                        pos += 1
-                    while pos < end and cpts[pos] in (_CR, _LF):
-                        pos += 1
-                else:
-                    pos = _whitespace_end(cpts, flags, pos, end, newline_runs=True)
+                pos = _symbols_or_whitespace(cpts, flags, pos, end, other, test_current=True)
             if pos > prev:
                 out.append(pos - prev)
             prev = pos
@@ -283,22 +300,9 @@ def _split_kimi_k2(cpts: list[int], flags: list[int], ini: int, end: int, out: l
             if pos < end:
                 pos += _contraction_len(cpts, pos, end, fold=True)
         elif f & NUMBER:
-            start = pos
-            while fl(pos) & NUMBER:
-                pos += 1
-                if pos - start >= 3:
-                    out.append(pos - prev)
-                    prev = start = pos
+            pos, prev = _digit_groups(flags, pos, prev, end, 3, out)
         else:
-            f2 = fl(pos + 1) if cpt == _SPACE else f
-            if f2 and not f2 & (WHITESPACE | LETTER | NUMBER):
-                pos += cpt == _SPACE
-                while (f2 := fl(pos)) and not f2 & (WHITESPACE | LETTER | NUMBER):
-                    pos += 1
-                while pos < end and cpts[pos] in (_CR, _LF):
-                    pos += 1
-            else:
-                pos = _whitespace_end(cpts, flags, pos, end, newline_runs=True)
+            pos = _symbols_or_whitespace(cpts, flags, pos, end, WHITESPACE | LETTER | NUMBER, test_current=False)
         if pos > prev:
             out.append(pos - prev)
         prev = pos
