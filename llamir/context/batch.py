@@ -51,6 +51,7 @@ class Batch:
             if len(self.pos) != n:
                 raise BatchError(f"{len(self.pos)} positions for {n} tokens")
         if self.seq_ids is not None:
+            # tuple and list first: they are tested before the (slow) Sequence ABC
             self.seq_ids = [tuple(map(int, ids)) if isinstance(ids, (tuple, list, Sequence)) else (int(ids),)
                             for ids in self.seq_ids]
             if len(self.seq_ids) != n:

@@ -111,18 +111,12 @@ class InputOutIds(GraphInput):
 
     leaf_names = ("inp_out_ids",)
     n_outputs: int = 0
-    _every_row: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def set_input(self, ubatch, values):
-        every_row = self.n_outputs == ubatch.n_tokens
-        if every_row and self._every_row is not None and values.get("inp_out_ids") is self._every_row \
-                and len(self._every_row) == ubatch.n_tokens:
-            return   # 0..n-1, written by the last call and untouched since
-        ids = np.arange(ubatch.n_tokens) if every_row else np.flatnonzero(ubatch.output)
+        ids = np.arange(ubatch.n_tokens) if self.n_outputs == ubatch.n_tokens else np.flatnonzero(ubatch.output)
         if len(ids) != self.n_outputs:
             raise ValueError(f"{len(ids)} output rows but the graph expects {self.n_outputs}")
         put_input(values, "inp_out_ids", ids, np.int32)
-        self._every_row = values["inp_out_ids"] if every_row else None
 
     def can_reuse(self, params):
         return params.n_outputs == self.n_outputs

@@ -406,9 +406,8 @@ class KVCache:
 
     # -- graph inputs -----------------------------------------------------------------------------
     def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> np.ndarray:
-        if sinfo.strm == [0]:
-            return sinfo.idxs[0]
-        return np.concatenate([strm * self.kv_size + idx for strm, idx in zip(sinfo.strm, sinfo.idxs)])
+        parts = [strm * self.kv_size + idx if strm else idx for strm, idx in zip(sinfo.strm, sinfo.idxs)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def v_idxs(self, ubatch: UBatch, sinfo: SlotInfo, n_embd_v_gqa: int) -> np.ndarray:
         if not self.layout.v_trans:
@@ -432,11 +431,11 @@ class KVCache:
             p0 = cells.pos[None, :n_kv]                                               # [1, n_kv]
             p1 = ubatch.pos[rows, None]                                              # [per, 1]
             # a token sees the cells of its first sequence (empty cells belong to none)
-            first = list(dict.fromkeys(ids[0] for ids in ubatch.seq_ids[rows]))
-            if len(first) == 1:
+            first = [ids[0] for ids in ubatch.seq_ids[rows]]
+            if len(set(first)) == 1:
                 allowed = cells.seq[None, :n_kv, first[0]]                          # [1, n_kv]
             else:
-                allowed = cells.seq[:n_kv, [ids[0] for ids in ubatch.seq_ids[rows]]].T
+                allowed = cells.seq[:n_kv, first].T                                  # [per, n_kv]
             if causal:
                 allowed = allowed & (p0 <= p1)
             if self.swa_type != "none":
