@@ -33,7 +33,7 @@ from llamir.paths import cache_dir
 
 SMALL = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=4, n_ff=768, n_vocab=4096, tied=True)
 BIG = dict(n_layer=12, n_embd=768, n_head=12, n_head_kv=12, n_ff=2048, n_vocab=32000, tied=True)
-DTYPES = ("f32", "f16", "q8_0", "q4_0")
+DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k")
 TESTS = (("pp128", 128, 0), ("pp512", 512, 0), ("tg128", 0, 128))
 
 

@@ -22,11 +22,19 @@ import numpy as np
 import regex
 
 from llamir.frontend.gguf_rewrite import FILE_TYPES
+from llamir.ir import quants
 from llamir.ir.dtypes import dtype_named
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-# the matrix types gguf.quants can write, each with its general.file_type
-MATRIX_DTYPES = tuple(FILE_TYPES)
+# general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
+# of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
+MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
+    **FILE_TYPES,
+    "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K, "q3_k": gguf.LlamaFileType.MOSTLY_Q3_K_S,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S, "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
+}
+MATRIX_DTYPES = tuple(MATRIX_FILE_TYPES)
 
 # Same layout as SmolLM2: specials first, bos = <|im_start|>, eos = <|im_end|>.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -181,7 +189,7 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
             w.add_sliding_window(spec.sliding_window)
             w.add_uint32(f"{spec.arch}.attention.sliding_window_pattern", spec.swa_pattern)
             w.add_float32(f"{spec.arch}.rope.freq_base_swa", 10000.0)
-    w.add_file_type(FILE_TYPES[spec.dtype])
+    w.add_file_type(MATRIX_FILE_TYPES[spec.dtype])
     if dtype_named(spec.dtype).is_quantized or dtype_named(spec.embd_dtype or spec.dtype).is_quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -342,8 +350,11 @@ def _tensors(spec: SynthSpec):
 
 
 def _typed(name: str, values: np.ndarray, dtype: str):
-    """The tensor stored as `dtype`: gguf.quants packs quantized and bf16 types into bytes."""
-    ggml_type = dtype_named(dtype).ggml_type
-    data = gguf.quants.quantize(values.astype(np.float32), ggml_type)
-    raw = ggml_type if data.dtype == np.uint8 else None
-    return name, data, raw
+    """The tensor stored as `dtype`: gguf.quants packs the quantized and bf16 types it knows into
+    bytes, llamir's reference quantizers (the same as ggml's quantize_row_*_ref) the K-quants."""
+    dt = dtype_named(dtype)
+    if dtype in FILE_TYPES or not dt.is_quantized:
+        data = gguf.quants.quantize(values.astype(np.float32), dt.ggml_type)
+    else:
+        data = quants.quantize(values.astype(np.float32), dt)
+    return name, data, dt.ggml_type if data.dtype == np.uint8 else None

@@ -12,6 +12,7 @@ import pytest
 from llamir.frontend.gguf_file import GGUFFile
 from llamir.frontend.gguf_rewrite import rewrite
 from llamir.frontend.synth import SPECIAL_TOKENS, SynthSpec, write_model
+from llamir.ir import quants
 from llamir.testing import LlamaCppOracle, nmse
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -56,6 +57,9 @@ def test_llama_cpp_runs_every_variant(tmp_path, arch, dtype, tied, gqa):
     SynthSpec(arch="qwen3", n_embd=64, n_head=4, head_dim=32),   # head_dim != n_embd / n_head
     SynthSpec(arch="llama", n_embd=96, n_head=2, n_head_kv=1, head_dim=32, n_ff=64),
     SynthSpec(arch="llama", n_vocab=1000),                       # more tokens than the corpus merges
+    *(SynthSpec(arch=arch, dtype=dtype, n_embd=256, n_ff=512)    # K-quants: rows of 256
+      for arch, dtype in (("llama", "q2_k"), ("qwen2", "q3_k"), ("qwen3", "q4_k"), ("llama", "q5_k"),
+                          ("qwen3", "q6_k"))),
 ], ids=lambda s: f"{s.arch}-{s.dtype}-{s.embd_dtype}-hd{s.head_dim}-v{s.n_vocab}")
 def test_llama_cpp_runs_other_shapes_and_types(tmp_path, spec):
     path = write_model(tmp_path / "m.gguf", spec)
@@ -131,6 +135,25 @@ def test_invalid_specs_are_rejected(tmp_path):
         write_model(tmp_path / "m.gguf", SynthSpec(arch="qwen2", head_dim=32))
     with pytest.raises(ValueError, match="sliding_window is a gemma3 setting"):
         write_model(tmp_path / "m.gguf", SynthSpec(sliding_window=64))
+
+
+def test_k_quant_matrices_are_ggml_quantized(tmp_path):
+    """K-quant files hold what ggml's reference quantizer makes of the float weights."""
+    path = write_model(tmp_path / "k.gguf", SynthSpec(dtype="q4_k", embd_dtype="q6_k", n_embd=256, n_ff=512))
+    f32 = GGUFFile(write_model(tmp_path / "f.gguf", SynthSpec(dtype="f32", n_embd=256, n_ff=512)))
+    k = GGUFFile(path)
+    assert k.metadata["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_K_S)
+    for name, t in k.tensors.items():
+        ref = f32.tensors[name]
+        if len(t.shape) == 2:
+            assert t.dtype.name == ("q6_k" if name == "token_embd.weight" else "q4_k"), name
+            want = quants.quantize(np.asarray(ref.data, dtype=np.float32), t.dtype)
+            assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(want.shape), want), name
+
+
+def test_k_quants_need_rows_of_256():
+    with pytest.raises(ValueError, match="multiples of 256"):
+        write_model("/nonexistent/never.gguf", SynthSpec(dtype="q4_k"))
 
 
 def test_rewrite_cuts_blocks(tmp_path):
