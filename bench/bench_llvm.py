@@ -3,8 +3,8 @@
     python bench/bench_llvm.py [--threads 2] [--models small-f32,big-q4_0,...] [--json out.json]
 
 Models: a ~5M and a ~110M random-weight llama (12 layers, n_embd 768, vocab 32000) in f32, f16,
-q8_0 and q4_0, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1. Each engine
-runs pp128, pp512 and tg128 with the same thread count, timed the same way (llamir.cli_bench:
+q8_0, q4_0, q4_k and q6_k, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1.
+Each engine runs pp128, pp512 and tg128 with the same thread count, timed the same way (llamir.cli_bench:
 median of the prompt runs, generation rate from the median token). Also reported: the memory
 bandwidth measured here and the token-generation roofline it implies (weight bytes per token /
 bandwidth), llamir's compile times (cold: empty code cache; warm: from the disk cache) and where a
