@@ -233,7 +233,8 @@ def build_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of an `n_vocab`-token byte-level BPE vocabulary.
 
     Layout: the special tokens, the 256 byte tokens, then one token per learnt merge; if the
-    embedded corpus runs out of pairs, the rest is filled with UNUSED placeholder tokens.
+    embedded corpus runs out of pairs, the rest are tokens `<|unused_i|>` of GGUF type UNUSED (as real
+    vocabularies reserve them).
     """
     byte_chars = bytes_to_unicode()
     tokens = list(SPECIAL_TOKENS) + [byte_chars[b] for b in range(256)]
