@@ -11,6 +11,7 @@ context-wide `logits_all` any more); `llama_get_logits_ith(i)` indexes the batch
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,20 @@ def nmse(a: np.ndarray, b: np.ndarray) -> float:
     if a64.shape != b64.shape:
         raise ValueError(f"nmse of arrays with different shapes {a64.shape} and {b64.shape}")
     return float(np.sum((a64 - b64) ** 2) / np.sum(b64**2))
+
+
+def oracle_numerics():
+    """The numerics profile of the llama.cpp build installed as the oracle, from its own
+    llama_print_system_info() (not from this CPU: a wheel may have been built elsewhere)."""
+    from llamir.ir.numerics import AVX2, AVX512
+
+    info = _lib().llama_print_system_info().decode()
+    flags = dict(re.findall(r"(\w+) = (\d)", info))
+    if flags.get("AVX512") == "1":
+        return AVX512
+    if flags.get("AVX2") == "1" and flags.get("FMA") == "1":
+        return AVX2
+    raise RuntimeError(f"the llama.cpp oracle is built for neither AVX-512 nor AVX2+FMA: {info.strip()}")
 
 
 def _lib():
