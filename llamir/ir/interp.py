@@ -21,6 +21,7 @@ from llamir.ir.dims import Bindings
 from llamir.ir.dtypes import DType
 from llamir.ir.graph import Graph, Node
 from llamir.ir.interp_kernels import KERNELS, Context
+from llamir.ir.numerics import Numerics, numerics_named
 from llamir.ir.ops import IRError
 
 
@@ -53,10 +54,20 @@ def check_value(node: Node, value: np.ndarray, bindings: Bindings) -> None:
 
 
 class Interpreter:
-    """Evaluates graphs with numpy. One instance may keep a cache of dequantized weights."""
+    """Evaluates graphs with numpy, reproducing the arithmetic of one numerics profile (the host's
+    by default) as ggml computes it with `n_threads` threads. One instance may keep a cache of
+    prepared weights."""
 
-    def __init__(self, cache_weights: bool = False, exact: bool = True):
-        self.ctx = Context(weight_cache={} if cache_weights else None, exact=exact)
+    def __init__(self, cache_weights: bool = False, exact: bool = True, numerics: Numerics | str | None = None,
+                 n_threads: int = 2):
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self.ctx = Context(weight_cache={} if cache_weights else None, exact=exact,
+                           numerics=numerics_named(numerics), n_threads=n_threads)
+
+    @property
+    def numerics(self) -> Numerics:
+        return self.ctx.numerics
 
     def run(
         self,
@@ -155,6 +166,6 @@ def strided_view(x: np.ndarray, root: np.ndarray, shape, strides, offset: int, l
 
 
 def run_graph(graph: Graph, leaf_values: Mapping[str, np.ndarray], bindings: Bindings | None = None,
-              ) -> dict[str, np.ndarray]:
-    """Evaluate `graph` once with a fresh interpreter."""
-    return Interpreter().run(graph, leaf_values, bindings)
+              numerics: Numerics | str | None = None, n_threads: int = 2) -> dict[str, np.ndarray]:
+    """Evaluate `graph` once with a fresh interpreter (the host's numerics profile by default)."""
+    return Interpreter(numerics=numerics, n_threads=n_threads).run(graph, leaf_values, bindings)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from llamir.ir import ggml_math, ops
 from llamir.ir.dtypes import BF16, F16, F32, DType
 from llamir.ir.graph import Node
+from llamir.ir.numerics import Numerics, host_numerics
 
 f32 = np.float32
 KERNELS: dict[type, Callable] = {}
@@ -23,10 +24,14 @@ KERNELS: dict[type, Callable] = {}
 
 @dataclass
 class Context:
-    """State a kernel may keep across runs: dequantized weights, keyed by buffer address."""
+    """What a kernel may read besides its inputs: the numerics profile it reproduces, the thread
+    count ggml would run with (flash attention splits its work by it), and a cache of prepared
+    weights keyed by buffer address."""
 
     weight_cache: dict | None = None
     exact: bool = True   # False: matmuls through BLAS (close to ggml, not bit for bit, much faster)
+    numerics: Numerics = field(default_factory=host_numerics)
+    n_threads: int = 2
 
 
 def kernel(*classes: type):

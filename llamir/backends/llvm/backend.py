@@ -26,6 +26,7 @@ from llamir.backends.llvm.lowering import Lowerer, supported
 from llamir.backends.llvm.runtime import ThreadPool, load_object
 from llamir.backends.llvm.target import Target, host_target
 from llamir.ir import Graph, Node, ops, parse_graph, print_graph
+from llamir.ir.numerics import Numerics, numerics_named
 
 log = logging.getLogger("llamir")
 
@@ -62,8 +63,11 @@ class LLVMBackend(Backend):
     _shared_caches: ClassVar[dict] = {}
 
     def __init__(self, n_threads: int | None = None, target: Target | None = None, passes: str = DEFAULT_PASSES,
-                 cache_dir=None, disk_cache: bool = True):
+                 cache_dir=None, disk_cache: bool = True, numerics: Numerics | str | None = None):
+        """`numerics`: the ggml build whose arithmetic the code reproduces (default: the host's,
+        see llamir.ir.numerics); any profile runs on any x86 target."""
         self.target = target or host_target()
+        self.numerics = numerics_named(numerics)
         self.n_threads = n_threads or default_threads()
         self.passes = passes
         if disk_cache:
@@ -120,13 +124,13 @@ class LLVMBackend(Backend):
             from llamir.passes.pipeline import run_pipeline
 
             run_pipeline(g, passes)
-        lowerer = Lowerer(g, self.target, self.n_threads)
+        lowerer = Lowerer(g, self.target, self.n_threads, self.numerics)
         if observe_variant:
             lowerer.keep_values = True
         plan = lowerer.run()
         t1 = time.perf_counter()
         builder = ModuleBuilder(plan, self.target, name=graph.name)
-        variant = ("observe|" if observe_variant else "") + passes
+        variant = ("observe|" if observe_variant else "") + f"{self.numerics}|" + passes
         entry_key = self.cache.key(graph.fingerprint(), self.target.key, variant)
         objects, n_new = self._kernel_objects(builder.distinct_kernels(), stats)
         entry_obj = self.cache.get(entry_key)

@@ -15,6 +15,7 @@ from llamir.backends.llvm.expr import Expr
 from llamir.backends.llvm.plan import Buffer, Kernel, Part, Plan, Ref, Step, contiguous_strides, node_shape
 from llamir.backends.llvm.target import Target
 from llamir.ir import Graph, Node, ops
+from llamir.ir.numerics import AVX512, Numerics
 
 Lower = Callable[["Lowerer", Node], None]
 Supports = Callable[[Node, Target], bool]
@@ -45,9 +46,10 @@ def supported(node: Node, target: Target) -> bool:
 class Lowerer:
     """Builds the Plan of one graph (nodes in order; views resolved as they come)."""
 
-    def __init__(self, graph: Graph, target: Target, n_threads: int = 1):
+    def __init__(self, graph: Graph, target: Target, n_threads: int = 1, numerics: Numerics = AVX512):
         self.graph = graph
         self.target = target
+        self.numerics = numerics                 # kernels that depend on it carry it in their config()
         self.n_threads = n_threads
         self.plan = Plan(graph.dim_names)
         self.outputs = {id(n): name for name, n in reversed(list(graph.outputs.items()))}
