@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llamir.ir.numerics import PROFILES, host_numerics
+
 log = logging.getLogger("llamir")
 
 
@@ -49,7 +51,7 @@ def _context(model, args, **overrides):
                   n_threads=getattr(args, "threads", 0) or 0)
     params.update(overrides)
     try:
-        return Context(model, backend=args.backend, **params)
+        return Context(model, backend=args.backend, numerics=args.numerics, **params)
     except (ContextParamsError, ValueError) as err:
         raise CliError(str(err)) from None
 
@@ -324,6 +326,13 @@ def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
     p.add_argument("--n-ubatch", type=int, default=512, dest="n_ubatch", help="physical batch size")
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off", dest="flash_attn")
     p.add_argument("--threads", type=int, default=0, help="threads (default: all cores)")
+    add_numerics_option(p)
+
+
+def add_numerics_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numerics", choices=sorted(PROFILES), default=None,
+                   help="the ggml CPU build whose arithmetic to reproduce bit for bit (default: this CPU's, "
+                        f"{host_numerics()})")
 
 
 def _add_generation(p: argparse.ArgumentParser) -> None:

@@ -76,12 +76,16 @@ def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 
 def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_prompt: int = 512, n_gen: int = 128,
-                 reps: int = 3, flash_attn: str = FLASH_ATTN_DEFAULT) -> BenchResult:
+                 reps: int = 3, flash_attn: str = FLASH_ATTN_DEFAULT, numerics: str | None = None) -> BenchResult:
     """Time llamir on one GGUF: prompt processing and generation, plus compile and overheads."""
     import llamir
+    from llamir.backends import get_backend
 
     model = llamir.load_model(path)
-    be = _make_backend(backend, threads)
+    options = {"n_threads": threads} if threads else {}
+    if numerics is not None:
+        options["numerics"] = numerics
+    be = get_backend(backend, **options)
     n_threads = getattr(be, "n_threads", threads)
     result = BenchResult(f"llamir-{backend}", Path(path).name, n_threads, n_prompt, n_gen)
     n_ctx = max(n_prompt, n_gen) + 16
@@ -109,16 +113,6 @@ def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_pr
     if stats is not None:
         result.extra["compile"] = [{"graph": g, "cache": c, "seconds": s} for g, c, s in stats.history]
     return result
-
-
-def _make_backend(name: str, threads: int):
-    from llamir.backends import get_backend
-
-    if name == "llvm":
-        from llamir.backends.llvm import LLVMBackend
-
-        return LLVMBackend(n_threads=threads or None)
-    return get_backend(name)
 
 
 def _clear(ctx) -> Callable[[], None]:
@@ -213,7 +207,8 @@ def cmd_bench(args) -> int:
     else:
         try:
             result = bench_llamir(path, backend=args.backend, threads=args.threads, n_prompt=args.n_prompt,
-                                  n_gen=args.n_gen, reps=args.reps, flash_attn=args.flash_attn)
+                                  n_gen=args.n_gen, reps=args.reps, flash_attn=args.flash_attn,
+                                  numerics=args.numerics)
         except RuntimeError as err:
             raise CliError(str(err)) from None
     if args.json:
@@ -231,6 +226,8 @@ def cmd_bench(args) -> int:
 
 
 def add_parser(subparsers) -> None:
+    from llamir.cli import add_numerics_option
+
     p: argparse.ArgumentParser = subparsers.add_parser(
         "bench", help="prompt-processing and generation speed of a model (like llama-bench)")
     p.add_argument("model", nargs="?", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
@@ -241,4 +238,5 @@ def add_parser(subparsers) -> None:
     p.add_argument("--reps", type=int, default=3, help="prompt runs to take the median of")
     p.add_argument("--flash-attn", choices=["on", "off"], default=FLASH_ATTN_DEFAULT, dest="flash_attn")
     p.add_argument("--json", action="store_true", help="print one JSON object (pp_tps, tg_tps, ...)")
+    add_numerics_option(p)
     p.set_defaults(func=cmd_bench)

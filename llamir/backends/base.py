@@ -27,6 +27,13 @@ if TYPE_CHECKING:
     from llamir.passes.sched_exec import SplitMemory, SplitRun
 
 
+def default_threads() -> int:
+    """The thread count a CPU backend uses unless told otherwise: the CPUs this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 class BackendError(RuntimeError):
     """A backend that cannot run what it was asked to; the message names the op or value."""
 

@@ -12,31 +12,31 @@ from llamir.backends.base import Backend, BackendError
 ENTRY_POINT_GROUP = "llamir.backends"
 
 
-def _numpy() -> Backend:
+def _numpy(**options) -> Backend:
     from llamir.backends.numpy import NumpyBackend
 
-    return NumpyBackend()
+    return NumpyBackend(**options)
 
 
-def _numpy_fast() -> Backend:
+def _numpy_fast(**options) -> Backend:
     from llamir.backends.numpy import NumpyBackend
 
-    return NumpyBackend(exact=False)
+    return NumpyBackend(exact=False, **options)
 
 
-def _lazy(module: str, cls: str) -> Callable[[], Backend]:
-    def make() -> Backend:
+def _lazy(module: str, cls: str) -> Callable[..., Backend]:
+    def make(**options) -> Backend:
         import importlib
 
-        return getattr(importlib.import_module(module), cls)()
+        return getattr(importlib.import_module(module), cls)(**options)
 
     return make
 
 
-BUILTINS: dict[str, Callable[[], Backend]] = {
+BUILTINS: dict[str, Callable[..., Backend]] = {
     "numpy": _numpy,
     "llvm": _lazy("llamir.backends.llvm", "LLVMBackend"),
-    "numpy-fast": lambda: _numpy_fast(),
+    "numpy-fast": _numpy_fast,
     "sim": _lazy("llamir.backends.sim", "SimBackend"),
     "null": _lazy("llamir.backends.null", "NullBackend"),
 }
@@ -58,15 +58,26 @@ def available_backends() -> list[str]:
     return sorted(set(BUILTINS) | set(_load_plugins()))
 
 
-def get_backend(name: str) -> Backend:
-    """A new backend instance by name; a clear error lists the known ones."""
+def get_backend(name: str, **options) -> Backend:
+    """A new backend instance by name, made with `options` (the CPU backends take `numerics` and
+    `n_threads`); a clear error lists the known names, or says which option a backend refuses."""
     if name in BUILTINS:
-        return BUILTINS[name]()
-    plugins = _load_plugins()
-    if name in plugins:
+        factory = BUILTINS[name]
+    else:
+        plugins = _load_plugins()
+        if name not in plugins:
+            raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
         factory = plugins[name]()
-        return factory() if callable(factory) else factory
-    raise BackendError(f"unknown backend {name!r}; available: {', '.join(available_backends())}")
+        if not callable(factory):
+            if options:
+                raise BackendError(f"backend {name!r} is an instance and takes no options ({', '.join(options)})")
+            return factory
+    try:
+        return factory(**options)
+    except TypeError as err:
+        if not options:
+            raise
+        raise BackendError(f"backend {name!r} does not take the options {', '.join(options)}: {err}") from None
 
 
 def backend_from_spec(spec: str) -> Backend:

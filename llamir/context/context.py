@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.model import Model
 from llamir.frontend.placement import PlacementError, PlacementParams
 from llamir.ir import IRError
+from llamir.ir.numerics import Numerics, numerics_named
 from llamir.passes.sched import SchedError
 
 log = logging.getLogger("llamir")
@@ -38,27 +40,46 @@ class AbortedError(RuntimeError):
     """Raised inside a compute when the abort callback asks to stop."""
 
 
+def _cpu_backend(backend: str | Backend, numerics: Numerics | str | None, n_threads: int) -> Backend:
+    """The context's CPU backend: made by name with the profile and thread count asked for, or the
+    instance given, which keeps its own thread count unless one was asked for."""
+    if isinstance(backend, str):
+        options = {} if numerics is None else {"numerics": numerics_named(numerics)}
+        if n_threads > 0:
+            options["n_threads"] = n_threads
+        return get_backend(backend, **options)
+    if numerics is not None and getattr(backend, "numerics", None) != numerics_named(numerics):
+        raise ContextParamsError(f"numerics={numerics_named(numerics)} was asked for, but the backend "
+                                 f"{backend.name} reproduces {getattr(backend, 'numerics', 'no profile')}")
+    if n_threads > 0 and hasattr(backend, "set_n_threads"):
+        backend.set_n_threads(n_threads)
+    return backend
+
+
 class Context:
     """llama_context: memory, graphs and outputs for one model.
 
-        ctx = Context(model, n_ctx=2048, n_batch=512, n_ubatch=512, backend="numpy")
+        ctx = Context(model, n_ctx=2048, n_batch=512, n_ubatch=512)          # LLVM JIT, host numerics
         status = ctx.decode(Batch.from_tokens(tokens, logits="last"))
         row = ctx.get_logits_ith(-1)
     """
 
-    def __init__(self, model: Model, params: ContextParams | None = None, *, backend: str | Backend = "numpy",
-                 devices: Sequence[str | Backend] = (), placement: PlacementParams | None = None, **kwargs):
-        """`backend` runs on the CPU; `devices` (specs like "sim:gpu0:mem=2GiB" or backends) come
-        first in the scheduler's priority order, with the model placed on them by `placement`
-        (n_gpu_layers, split_mode, main_gpu, tensor_split, overrides) as llama.cpp places it."""
+    def __init__(self, model: Model, params: ContextParams | None = None, *, backend: str | Backend = "llvm",
+                 numerics: Numerics | str | None = None, devices: Sequence[str | Backend] = (),
+                 placement: PlacementParams | None = None, **kwargs):
+        """`backend` runs on the CPU (a name or an instance); `numerics` is the ggml build whose
+        arithmetic it reproduces (llamir.ir.numerics; default: the backend's, which is the host's);
+        `devices` (specs like "sim:gpu0:mem=2GiB" or backends) come first in the scheduler's
+        priority order, with the model placed on them by `placement` (n_gpu_layers, split_mode,
+        main_gpu, tensor_split, overrides) as llama.cpp places it. `n_threads` (0: the backend's
+        own count, the CPUs this process may use) is given to the backend."""
         if params is not None and kwargs:
             raise TypeError("pass either a ContextParams or keyword parameters, not both")
         self.model = model
         self.params = params if params is not None else ContextParams(**kwargs)
         self.cparams: CParams = resolve(self.params, model.hparams)
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
-        if hasattr(self.backend, "set_n_threads"):  # the CPU backend works with n_threads threads
-            self.backend.set_n_threads(self.cparams.n_threads)
+        self.backend = _cpu_backend(backend, numerics, self.cparams.n_threads)
+        self.cparams = replace(self.cparams, n_threads=getattr(self.backend, "n_threads", self.cparams.n_threads))
         device_backends = [backend_from_spec(d) if isinstance(d, str) else d for d in devices]
         self.runner = Runner(model, [*device_backends, self.backend], placement or PlacementParams(),
                              self.cparams.op_offload)

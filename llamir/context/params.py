@@ -31,7 +31,7 @@ class ContextParams:
     n_batch: int = 2048
     n_ubatch: int = 512
     n_seq_max: int = 1
-    n_threads: int = 0
+    n_threads: int = 0                # 0: the CPU backend's own count (the CPUs this process may use)
     kv_unified: bool = False
     type_k: DType | str = F16
     type_v: DType | str = F16
@@ -134,7 +134,7 @@ def resolve(p: ContextParams, hp: HParams) -> CParams:
     graph_reuse = not (reuse_env and reuse_env.strip() not in ("", "0"))
     return CParams(
         n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
-        n_threads=p.n_threads or (os.cpu_count() or 1), kv_unified=p.kv_unified, type_k=type_k, type_v=type_v,
+        n_threads=max(0, p.n_threads), kv_unified=p.kv_unified, type_k=type_k, type_v=type_v,
         flash_attn=flash, auto_fa=flash_mode == "auto", embeddings=p.embeddings, pooling_type=pooling,
         causal_attn=causal, rope=rope, op_offload=p.op_offload, offload_kqv=p.offload_kqv,
         swa_full=p.swa_full, no_perf=p.no_perf, graph_reuse=graph_reuse)

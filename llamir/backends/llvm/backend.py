@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from llamir.backends.base import Backend, BackendError
+from llamir.backends.base import Backend, BackendError, default_threads
 from llamir.backends.llvm.cache import CompileCache
 from llamir.backends.llvm.codegen import (
     ARENA_SIZE,
@@ -50,10 +50,6 @@ class CompileStats:
     @property
     def total_s(self) -> float:
         return self.plan_s + self.codegen_s + self.llvm_s + self.link_s
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class LLVMBackend(Backend):

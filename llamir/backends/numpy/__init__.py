@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from llamir.backends.base import Backend, Device, cpu_device, op_supported_by_numpy
+from llamir.backends.base import Backend, Device, cpu_device, default_threads, op_supported_by_numpy
 from llamir.ir import Graph, Interpreter
+from llamir.ir.numerics import Numerics, numerics_named
 
 
 class NumpyBackend(Backend):
@@ -11,13 +12,26 @@ class NumpyBackend(Backend):
 
     name = "numpy"
 
-    def __init__(self, device: Device | None = None, exact: bool = True) -> None:
-        """`exact`: reproduce ggml's CPU arithmetic bit for bit (the reference); False sends matmuls
+    def __init__(self, device: Device | None = None, exact: bool = True, numerics: Numerics | str | None = None,
+                 n_threads: int | None = None) -> None:
+        """`exact`: reproduce ggml's CPU arithmetic bit for bit (the reference), as the build of
+        `numerics` (default: the host's) computes it with `n_threads` threads; False sends matmuls
         through BLAS, within float32 rounding of it and much faster (backend name "numpy-fast")."""
         self.device = device if device is not None else cpu_device()
         self.exact = exact
-        self.interp = Interpreter(cache_weights=True, exact=exact)
-        self.plain = Interpreter(cache_weights=False, exact=exact)  # for weights copied into reused memory
+        self.numerics = numerics_named(numerics)
+        self.n_threads = 0
+        self.set_n_threads(n_threads or default_threads())
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """The thread count whose ggml work split the reference reproduces (flash attention's)."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        if n_threads != self.n_threads:
+            self.n_threads = n_threads
+            opts = dict(exact=self.exact, numerics=self.numerics, n_threads=n_threads)
+            self.interp = Interpreter(cache_weights=True, **opts)
+            self.plain = Interpreter(cache_weights=False, **opts)  # for weights copied into reused memory
 
     def supports_op(self, node) -> bool:
         return op_supported_by_numpy(node)
