@@ -1,8 +1,9 @@
 """A model's vocabulary and llama.cpp's tokenizer over it: `Vocab` mirrors llama_vocab
 (src/llama-vocab.cpp), so `tokenize`, `token_to_piece` and `detokenize` give llama.cpp's results.
 
-Supported: SPM ("llama"), BPE ("gpt2", "gemma4", with the pre-tokenizers of vocab_pre.py) and
-WPM ("bert"). Where llama.cpp's choices are quirky we keep them, and say so in a comment.
+Supported: SPM ("llama"), BPE ("gpt2", "gemma4", with the pre-tokenizers of vocab_pre.py),
+WPM ("bert") and UGM ("t5", unigram, in vocab_ugm.py). Where llama.cpp's choices are quirky we keep
+them, and say so in a comment.
 """
 
 from __future__ import annotations
@@ -41,16 +42,18 @@ from llamir.frontend.vocab_special import (
     ID_KEYS,
     TYPE_TO_ATTR,
 )
+from llamir.frontend.vocab_ugm import CharsMap, UgmTokenizer
 
 log = logging.getLogger(__name__)
 
-SPM, BPE, WPM = "spm", "bpe", "wpm"
-_MODEL_TYPES = {"llama": SPM, "bert": WPM, "gpt2": BPE, "gemma4": BPE}
-_NOT_PORTED = {"no_vocab", "none", "t5", "rwkv", "test", "plamo2", "hybriddna", "whitespace"}
+SPM, BPE, WPM, UGM = "spm", "bpe", "wpm", "ugm"
+_MODEL_TYPES = {"llama": SPM, "bert": WPM, "gpt2": BPE, "gemma4": BPE, "t5": UGM}
+_NOT_PORTED = {"no_vocab", "none", "rwkv", "test", "plamo2", "hybriddna", "whitespace"}
 _DEFAULT_IDS = {  # llama.cpp's default special ids per tokenizer type; -1 is LLAMA_TOKEN_NULL
     "llama": {"bos": 1, "eos": 2, "unk": 0},
     "bert": {"bos": 101, "unk": 100, "sep": 102, "pad": 0, "mask": 103},
     "gpt2": {"bos": 11, "eos": 11},
+    "t5": {"eos": 1, "unk": 2, "pad": 0},
     "gemma4": {},
 }
 _C_SPACE = frozenset(b" \t\n\v\f\r")   # isspace() in the C locale
@@ -61,9 +64,9 @@ _ESCAPED_SPACE = "\u2581".encode()
 class Vocab:
     """Token texts, scores and attributes, the special ids, and llama.cpp's tokenizer flags."""
 
-    model: str            # tokenizer.ggml.model: "llama", "gpt2", "bert", "gemma4"
+    model: str            # tokenizer.ggml.model: "llama", "gpt2", "bert", "gemma4", "t5"
     pre: str              # tokenizer.ggml.pre as llama.cpp resolved it ("" for SPM/WPM)
-    type: str             # SPM, BPE or WPM
+    type: str             # SPM, BPE, WPM or UGM
     chat_template: str | None
     add_bos: bool
     add_eos: bool
@@ -100,7 +103,7 @@ class Vocab:
         self._read_flags(meta)
         self._ranks = self._read_merges(meta) if self.type == BPE else {}
         self._read_tokens(meta)
-        self._tokenizer = self._make_tokenizer()
+        self._tokenizer = self._make_tokenizer(meta)
         self._ids["nl"] = self._find_linefeed()
         self._read_special_ids(meta)
         self._detect_specials_by_text()
@@ -141,6 +144,8 @@ class Vocab:
                 self._ids["bos"] = -1
         elif self.type == SPM:
             self.add_space_prefix, self.add_bos = True, True
+        elif self.type == UGM:
+            self.add_eos = True
         else:  # WPM
             self.clean_spaces, self.add_bos, self.add_sep = True, True, True
         self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
@@ -190,7 +195,11 @@ class Vocab:
             raise ValueError(f"{key} has {values.size} entries for {n} tokens")
         return values[:n]
 
-    def _make_tokenizer(self) -> SpmTokenizer | BpeTokenizer | WpmTokenizer:
+    def _make_tokenizer(self, meta: Mapping[str, Any]) -> SpmTokenizer | BpeTokenizer | WpmTokenizer | UgmTokenizer:
+        if self.type == UGM:
+            return UgmTokenizer(self._token_bytes, self._scores, self._attrs, self._charsmap(meta), self._ids["unk"],
+                                escape_whitespaces=self.escape_whitespaces, add_space_prefix=self.add_space_prefix,
+                                remove_extra_whitespaces=self.remove_extra_whitespaces)
         if self.type == SPM:
             ids = {b: i for i, b in enumerate(self._token_bytes)}
             return SpmTokenizer(ids, self._scores, self.byte_to_token)
@@ -201,6 +210,16 @@ class Vocab:
         assert spec is not None
         return BpeTokenizer(self._token_to_id, self._ranks, spec.patterns, spec.byte_level,
                             self.ignore_merges, newline_words_whole=spec.kind == "gemma4")
+
+    @staticmethod
+    def _charsmap(meta: Mapping[str, Any]) -> CharsMap | None:
+        key = "tokenizer.ggml.precompiled_charsmap"
+        if key not in meta:
+            return None
+        blob = meta[key]
+        if not isinstance(blob, np.ndarray) or blob.dtype not in (np.uint8, np.int8):
+            raise ValueError(f"invalid gguf type for {key}: expected an array of int8 or uint8")
+        return CharsMap(blob.tobytes()) if blob.size else None
 
     def _find_linefeed(self) -> int:
         if self.type == SPM:
@@ -240,6 +259,8 @@ class Vocab:
         if isinstance(self._tokenizer, WpmTokenizer):
             tok = self._tokenizer
             tok.unk, tok.lowercase, tok.strip_accents = self.unk, self.lowercase, self.strip_accents
+        elif isinstance(self._tokenizer, UgmTokenizer):
+            self._tokenizer.unk = self._ids["unk"]   # read when tokenizing, as vocab.token_unk()
 
     def _detect_specials_by_text(self) -> None:
         """EOT/EOM/FIM tokens the GGUF does not name are found by their text. With several
@@ -397,7 +418,7 @@ class Vocab:
 
     def byte_to_token(self, byte: int) -> int:
         """The token for one raw byte (llama_vocab::byte_to_token)."""
-        if self.type == SPM:
+        if self.type in (SPM, UGM):
             for text in (f"<0x{byte:02X}>", chr(byte) if byte < 0x80 else None):
                 if text in self._token_to_id:
                     return self._token_to_id[text]

@@ -27,9 +27,9 @@ VOCAB_MEMBER = "/vendor/llama.cpp/models/ggml-vocab-"
 # vocab files of llama.cpp's tree with .inp/.out vectors, and those without
 WITH_VECTORS = ["bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2",
                 "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
-WITHOUT_VECTORS = ["aquila", "baichuan", "gpt-neox"]
-UNSUPPORTED = {"nomic-bert-moe": "t5"}   # file -> tokenizer model we do not port
-LARGE = {"command-r", "gemma-4", "llama-bpe", "qwen2", "qwen35"}   # vocabs of 128k+ tokens
+WITHOUT_VECTORS = ["aquila", "baichuan", "gpt-neox", "nomic-bert-moe"]
+ALL_VOCABS = sorted(WITH_VECTORS + WITHOUT_VECTORS)   # all 19 of llama.cpp's models/ggml-vocab-*.gguf
+LARGE = {"command-r", "gemma-4", "llama-bpe", "nomic-bert-moe", "qwen2", "qwen35"}   # vocabs of 128k+ tokens
 
 
 class VocabFilesUnavailable(RuntimeError):
@@ -155,12 +155,10 @@ def oracle(path: Path) -> Oracle:
     return Oracle(path)
 
 
-def smollm2_path() -> Path | None:
-    """The default SmolLM2 GGUF, or None when llamir has no default-model module yet."""
-    try:
-        from llamir.frontend.default_model import default_model_path
-    except ImportError:
-        return None
+def smollm2_path() -> Path:
+    """The default SmolLM2 GGUF (downloaded into the llamir cache on first use)."""
+    from llamir.frontend.default_model import default_model_path
+
     return default_model_path(progress=False)
 
 
