@@ -301,15 +301,18 @@ def cmd_graph(args) -> int:
 
 
 def cmd_tokenize(args) -> int:
+    """The tokens of TEXT, from the vocab alone: any architecture's GGUF will do."""
     from llamir.frontend.model import ModelError, load_model
 
     try:
         model = load_model(_model_path(args.model), vocab_only=True)
     except ModelError as err:
         raise CliError(str(err)) from None
-    if model.vocab is None:
-        raise CliError(f"{args.model}: the model has no vocab")
-    tokens = model.vocab.tokenize(args.text, add_special=True, parse_special=True)
+    text = args.text.encode("utf-8", "surrogateescape")   # the argument's bytes, even if not UTF-8
+    try:
+        tokens = model.vocab.tokenize(text, add_special=not args.no_bos, parse_special=not args.no_parse_special)
+    except ValueError as err:
+        raise CliError(f"{args.model}: {err}") from None
     if args.ids:
         print(json.dumps(tokens))
     else:
@@ -395,10 +398,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flash-attn", choices=["on", "off"], default="off", dest="flash_attn")
     p.set_defaults(func=cmd_graph)
 
-    p = sub.add_parser("tokenize", help="print the tokens of a text")
+    p = sub.add_parser("tokenize", help="print the tokens of a text (reads only the vocab: any architecture)")
     p.add_argument("model")
     p.add_argument("text")
     p.add_argument("--ids", action="store_true", help="print only a JSON list of ids (like llama-tokenize --ids)")
+    p.add_argument("--no-bos", action="store_true", dest="no_bos",
+                   help="do not add the BOS/EOS/SEP tokens the vocab asks for (like llama-tokenize --no-bos)")
+    p.add_argument("--no-parse-special", action="store_true", dest="no_parse_special",
+                   help="read special-token text such as <|im_start|> as plain text")
     p.set_defaults(func=cmd_tokenize)
     for module in EXTRA_COMMANDS:
         import importlib

@@ -18,15 +18,24 @@ class ModelError(ValueError):
 
 
 class Model:
-    """One loaded model. Weights stay memory-mapped; nothing is copied at load time."""
+    """One loaded model. Weights stay memory-mapped; nothing is copied at load time.
 
-    def __init__(self, path: Path, gguf: GGUFFile, arch: Architecture, hparams: HParams, vocab):
+    A vocab-only model (load_model(path, vocab_only=True)) has `arch` and `hparams` None: it can
+    tokenize whatever its architecture, but not build a graph."""
+
+    def __init__(self, path: Path, gguf: GGUFFile, arch: Architecture | None, hparams: HParams | None, vocab,
+                 arch_name: str | None = None):
         self.path = path
         self.gguf = gguf
         self.arch = arch
+        self.arch_name = arch_name or (hparams.arch if hparams is not None else "")
         self.hparams = hparams
         self.vocab = vocab
         self.tensors: dict[str, GGUFTensor] = gguf.tensors
+
+    @property
+    def vocab_only(self) -> bool:
+        return self.arch is None
 
     @property
     def name(self) -> str:
@@ -59,18 +68,26 @@ class Model:
 
     def build_graph(self, config: GraphConfig) -> Graph:
         """The architecture's graph for `config` (symbolic in T, n_kv and n_out)."""
+        if self.arch is None:
+            raise ModelError(f"{self.path}: the model was loaded vocab-only (architecture {self.arch_name!r}); "
+                             "load it without vocab_only to build its graph")
         g = GraphContext(self, config)
         self.arch.build(g)
         return g.b.graph
 
     def __repr__(self) -> str:
         hp = self.hparams
+        if hp is None:
+            return f"<Model {self.name!r} arch={self.arch_name} vocab only, n_vocab={self.vocab.n_tokens}>"
         return (f"<Model {self.name!r} arch={hp.arch} n_layer={hp.n_layer} n_embd={hp.n_embd} "
                 f"n_vocab={hp.n_vocab}>")
 
 
 def load_model(path: str | Path, vocab_only: bool = False) -> Model:
-    """Open and validate a GGUF model: architecture, hparams, vocab and every tensor's shape."""
+    """Open and validate a GGUF model: architecture, hparams, vocab and every tensor's shape.
+
+    With vocab_only, as in llama.cpp, only general.architecture and the tokenizer.* keys are read:
+    any architecture loads, and the model can tokenize but not run."""
     import time
 
     t0 = time.perf_counter()
@@ -82,9 +99,19 @@ def load_model(path: str | Path, vocab_only: bool = False) -> Model:
     arch_name = f.get("general.architecture")
     if arch_name is None:
         raise ModelError(f"{path}: metadata key general.architecture is missing")
+    if not isinstance(arch_name, str):
+        raise ModelError(f"{path}: general.architecture must be a string, got {type(arch_name).__name__}")
+    if vocab_only:
+        vocab = _load_vocab(f)
+        if vocab is None:
+            raise ModelError(f"{path}: the model has no vocab (metadata key tokenizer.ggml.model is missing)")
+        model = Model(path, f, None, None, vocab, arch_name=arch_name)
+        model.t_load_ms = (time.perf_counter() - t0) * 1e3
+        return model
     if arch_name not in ARCHS:
         raise ModelError(f"{path}: unknown model architecture {arch_name!r}; llamir supports "
-                         f"{', '.join(sorted(ARCHS))}")
+                         f"{', '.join(sorted(ARCHS))} (load_model(path, vocab_only=True) reads the vocab "
+                         "of any architecture)")
     arch = ARCHS[arch_name]()
     vocab = _load_vocab(f)
     try:
@@ -95,8 +122,7 @@ def load_model(path: str | Path, vocab_only: bool = False) -> Model:
     if vocab is not None and hp.n_vocab != vocab.n_tokens:
         raise ModelError(f"{path}: {arch_name}.vocab_size = {hp.n_vocab} but the vocab has {vocab.n_tokens} tokens")
     model = Model(path, f, arch, hp, vocab)
-    if not vocab_only:
-        _check_tensors(model)
+    _check_tensors(model)
     model.t_load_ms = (time.perf_counter() - t0) * 1e3
     return model
 
