@@ -1,10 +1,12 @@
 """The float functions ggml's x86 CPU backend evaluates, ported to numpy bit for bit.
 
-ggml (built for AVX-512 with GCC, whose default -ffp-contract=fast fuses a*b+c into one FMA)
-computes softmax and SiLU with its own vectorised exp, `ggml_v_expf`, on 16-lane chunks and
-falls back to glibc's expf/sinf/cosf in scalar code (row tails, rope angles, sinks). Every
-function here follows one of those, named in its docstring, so the reference interpreter rounds
-exactly as llama.cpp does; all of them act element-wise on float32 arrays of any shape.
+ggml (built with GCC, whose default -ffp-contract=fast fuses a*b+c into one FMA) computes
+softmax and SiLU with its own vectorised exp, `ggml_v_expf`, on whole vectors (16 lanes in the
+AVX-512 build, 8 in the AVX2 one, each with its own exp: see llamir.ir.numerics), sums those
+vectors horizontally in the build's order, and falls back to glibc's expf/sinf/cosf in scalar
+code (row tails, rope angles, sinks). Every function here follows one of those, named in its
+docstring, so the reference interpreter rounds exactly as llama.cpp does; all of them act
+element-wise (or row-wise, on the last axis) on float32 arrays of any shape.
 
 glibc's FMA builds (the ones this CPU runs) fuse some of their float64 steps too; emulating
 that would take double-double arithmetic for a change that can reach the float32 result only
@@ -19,6 +21,8 @@ import decimal
 from functools import cache
 
 import numpy as np
+
+from llamir.ir.numerics import AVX512, Numerics
 
 f32, f64 = np.float32, np.float64
 u32, u64 = np.uint32, np.uint64
@@ -63,7 +67,7 @@ def fma(a, b, c) -> np.ndarray:
     return out
 
 
-# -- ggml_v_expf / ggml_v_silu (vec.h, the __AVX512F__ && __AVX512DQ__ branch) ----------------
+# -- ggml_v_expf / ggml_v_silu (vec.h: the AVX512F and the AVX2+FMA branches) ----------------
 _SHIFT23 = _hex32("0x1.8p23")
 _LOG2E = _hex32("0x1.715476p+0")
 _LN2_HI, _LN2_LO = _hex32("0x1.62e4p-1"), _hex32("0x1.7f7d1cp-20")
@@ -71,41 +75,70 @@ _P1, _P2, _P3 = _hex32("0x1.ffffecp-1"), _hex32("0x1.fffdb6p-2"), _hex32("0x1.55
 _P4, _P5 = _hex32("0x1.573e2ep-5"), _hex32("0x1.0e4020p-7")
 
 
-def v_expf(x: np.ndarray) -> np.ndarray:
-    """ggml_v_expf: exp(x) = 2^n * poly(b), n = round(x*log2e), b = x - n*ln2 (ln2 in two parts)."""
+def _expf_reduce(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Both branches' first steps: z = x*log2e + 0x1.8p23 (n sits in z's low bits), n = round(x*log2e),
+    b = x - n*ln2 with ln2 in two parts."""
+    z = fma(x, _LOG2E, _SHIFT23)
+    n = z - _SHIFT23
+    b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
+    return z, n, b
+
+
+def _v_expf_avx512(x: np.ndarray) -> np.ndarray:
+    """2^n * poly(b) with vscalefps; |n| > 192 answers 0 or inf outright (and for +-inf)."""
+    _, n, b = _expf_reduce(x)
+    u = b * b
+    j = fma(fma(fma(_P5, b, _P4), u, fma(_P3, b, _P2)), u, fma(_P1, b, f32(1)))
+    out_of_range = np.abs(n) > 192
+    exponent = np.where(out_of_range | np.isnan(n), 0, n).astype(np.int32)
+    res = np.ldexp(j, exponent)                           # _mm512_scalef_ps (j finite, n integral)
+    return np.where(out_of_range, np.where(n <= 0, f32(0), f32(np.inf)), res).astype(f32)
+
+
+def _v_expf_avx2(x: np.ndarray) -> np.ndarray:
+    """k = 2^n built from z's bits, exp = k + k*j with j = poly(b) - 1; |n| > 126 scales in two
+    steps (s2 * s1), |n| > 192 gives s1*s1 (0 or inf)."""
+    z, n, b = _expf_reduce(x)
+    e = z.view(u32) << u32(23)                             # _mm256_slli_epi32: wraps
+    k = (e + np.float32(1).view(u32)).view(f32)
+    u = b * b
+    j = fma(fma(fma(_P5, b, _P4), u, fma(_P3, b, _P2)), u, _P1 * b)
+    abs_n = np.abs(n)
+    g = np.where(n <= 0, u32(0x82000000), u32(0))          # an ordered compare: NaN gives 0
+    s1 = (g + u32(0x7F000000)).view(f32)
+    s2 = (e - g).view(f32)
+    return np.where(abs_n > 192, s1 * s1, np.where(abs_n > 126, fma(s2, j, s2) * s1, fma(k, j, k))).astype(f32)
+
+
+def v_expf(x: np.ndarray, numerics: Numerics = AVX512) -> np.ndarray:
+    """ggml_v_expf, lane by lane, as the profile's build computes it."""
     x = np.asarray(x, dtype=f32)
     with np.errstate(invalid="ignore", over="ignore"):
-        n = fma(x, _LOG2E, _SHIFT23) - _SHIFT23
-        b = fma(-n, _LN2_LO, fma(-n, _LN2_HI, x))
-        u = b * b
-        j = fma(fma(fma(_P5, b, _P4), u, fma(_P3, b, _P2)), u, fma(_P1, b, f32(1)))
-        out_of_range = np.abs(n) > 192                       # ggml answers 0 or inf outright (and for ±inf)
-        exponent = np.where(out_of_range | np.isnan(n), 0, n).astype(np.int32)
-        res = np.ldexp(j, exponent)                           # _mm512_scalef_ps (j finite, n integral)
-        return np.where(out_of_range, np.where(n <= 0, f32(0), f32(np.inf)), res).astype(f32)
+        return _v_expf_avx512(x) if numerics.lanes == 16 else _v_expf_avx2(x)
 
 
-def v_silu(x: np.ndarray) -> np.ndarray:
+def v_silu(x: np.ndarray, numerics: Numerics = AVX512) -> np.ndarray:
     """ggml_v_silu: x / (1 + ggml_v_expf(0 - x))."""
     x = np.asarray(x, dtype=f32)
     with np.errstate(over="ignore"):
-        return x / (f32(1) + v_expf(f32(0) - x))
+        return x / (f32(1) + v_expf(f32(0) - x, numerics))
 
 
-def _head_tail(n: int) -> int:
-    """How many of a row's n values ggml's 16-lane loops take; the rest go through scalar code."""
-    return n - n % 16
+def _head(n: int, numerics: Numerics) -> int:
+    """How many of a row's n values ggml's vector loops take; the rest go through scalar code."""
+    return n - n % numerics.lanes
 
 
-def vec_silu(x: np.ndarray) -> np.ndarray:
-    """ggml_vec_silu_f32 on each row (last axis): 16-lane ggml_v_silu, then ggml_silu_f32 (glibc expf)."""
+def vec_silu(x: np.ndarray, numerics: Numerics = AVX512) -> np.ndarray:
+    """ggml_vec_silu_f32 on each row (last axis): ggml_v_silu on whole vectors, then
+    ggml_silu_f32 (glibc expf) on the rest."""
     x = np.asarray(x, dtype=f32)
-    k = _head_tail(x.shape[-1])
+    k = _head(x.shape[-1], numerics)
     if k == x.shape[-1]:
-        return v_silu(x)
+        return v_silu(x, numerics)
     with np.errstate(over="ignore"):
         tail = x[..., k:] / (f32(1) + expf(-x[..., k:]))
-    return np.concatenate([v_silu(x[..., :k]), tail], axis=-1)
+    return np.concatenate([v_silu(x[..., :k], numerics), tail], axis=-1)
 
 
 def reduce_add_16(v: np.ndarray) -> np.ndarray:
@@ -115,25 +148,59 @@ def reduce_add_16(v: np.ndarray) -> np.ndarray:
     return (h4[..., 0] + h4[..., 2]) + (h4[..., 1] + h4[..., 3])
 
 
-def vec_soft_max(x: np.ndarray, row_max: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml_vec_soft_max_f32 on each row: y = exp(x - max) (ggml_v_expf in 16-lane chunks, glibc
-    expf on the tail) and their float64 sum: each chunk's float32 lane sum added in order, then
-    the tail's values one by one. Returns (y, sum [..., 1] float64)."""
+def hsum_8(v: np.ndarray) -> np.ndarray:
+    """The 128-bit horizontal sum of 8 lanes (extract + movehl + movehdup), as tinyBLAS's hsum and
+    ggml's AVX2 softmax and variance sums: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))."""
+    h4 = v[..., 4:8] + v[..., 0:4]
+    return (h4[..., 0] + h4[..., 2]) + (h4[..., 1] + h4[..., 3])
+
+
+def reduce_hadd_8(v: np.ndarray) -> np.ndarray:
+    """GGML_F32x8_REDUCE's last step (two _mm_hadd_ps): ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7))."""
+    h4 = v[..., 0:4] + v[..., 4:8]
+    return (h4[..., 0] + h4[..., 1]) + (h4[..., 2] + h4[..., 3])
+
+
+def vector_sum(v: np.ndarray, numerics: Numerics) -> np.ndarray:
+    """One vector's float sum in the profile's loops (softmax, variance, tinyBLAS): the last axis
+    holds `numerics.lanes` values."""
+    return reduce_add_16(v) if numerics.lanes == 16 else hsum_8(v)
+
+
+def reduce_accumulators(acc: np.ndarray, numerics: Numerics) -> np.ndarray:
+    """GGML_F32_VEC_REDUCE of four accumulators [..., 4 * lanes]: (0+2)+(1+3), then the vector
+    reduced (_mm512_reduce_add_ps, or the AVX build's two hadds)."""
+    n = numerics.lanes
+    v = (acc[..., 0:n] + acc[..., 2 * n:3 * n]) + (acc[..., n:2 * n] + acc[..., 3 * n:4 * n])
+    return reduce_add_16(v) if n == 16 else reduce_hadd_8(v)
+
+
+def chunked_sum(x: np.ndarray, numerics: Numerics) -> np.ndarray:
+    """sum of each row (last axis) into a float64, as ggml's vectorised softmax and variance loops
+    add it: each whole vector's float sum in order, then the tail's values one by one. [..., 1]."""
+    n = x.shape[-1]
+    k = _head(n, numerics)
+    lanes = numerics.lanes
+    chunks = vector_sum(x[..., :k].reshape(x.shape[:-1] + (k // lanes, lanes)), numerics)
+    terms = np.concatenate([chunks.astype(f64), x[..., k:].astype(f64)], axis=-1)
+    if terms.shape[-1] == 0:
+        return np.zeros(x.shape[:-1] + (1,))
+    return np.add.accumulate(terms, axis=-1)[..., -1:]
+
+
+def vec_soft_max(x: np.ndarray, row_max: np.ndarray, numerics: Numerics = AVX512,
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """ggml_vec_soft_max_f32 on each row: y = exp(x - max) (ggml_v_expf on whole vectors, glibc
+    expf on the tail) and their float64 sum (chunked_sum). Returns (y, sum [..., 1] float64)."""
     x = np.asarray(x, dtype=f32)
     n = x.shape[-1]
-    k = _head_tail(n)
+    k = _head(n, numerics)
     with np.errstate(invalid="ignore"):
         shifted = x - np.asarray(row_max, dtype=f32)
-    head = v_expf(shifted[..., :k])
-    parts = [reduce_add_16(head.reshape(head.shape[:-1] + (k // 16, 16))).astype(f64)]
-    y = head
+    y = v_expf(shifted[..., :k], numerics)
     if k < n:
-        tail = expf(shifted[..., k:])
-        parts.append(tail.astype(f64))
-        y = np.concatenate([head, tail], axis=-1)
-    terms = np.concatenate(parts, axis=-1)
-    total = np.cumsum(terms, axis=-1)[..., -1:] if terms.shape[-1] else np.zeros(x.shape[:-1] + (1,))
-    return y, total
+        y = np.concatenate([y, expf(shifted[..., k:])], axis=-1)
+    return y, chunked_sum(y, numerics)
 
 
 # -- glibc expf (sysdeps/ieee754/flt-32/e_expf.c, table-driven, float64 inside) -------------------

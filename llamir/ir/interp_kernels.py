@@ -146,7 +146,7 @@ _UNARY: dict[type, Callable] = {
     ops.Elu: lambda x: np.where(x > 0, x, np.expm1(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
     ops.Sigmoid: _sigmoid, ops.Gelu: _gelu_table,
     ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + _erf(x * f32(1 / math.sqrt(2)))),
-    ops.GeluQuick: _gelu_quick_table, ops.Silu: ggml_math.vec_silu,
+    ops.GeluQuick: _gelu_quick_table, ops.Silu: ggml_math.vec_silu,   # (the profile is passed below)
     ops.HardSigmoid: lambda x: np.clip((x + 3) / 6, 0, 1),
     ops.HardSwish: lambda x: x * np.clip((x + 3) / 6, 0, 1),
     ops.Exp: ggml_math.expf, ops.Log: np.log, ops.Sqr: np.square, ops.Sqrt: np.sqrt,
@@ -158,6 +158,11 @@ _EXACT_FOR_BF16 = {ops.Gelu: _gelu_f32, ops.GeluQuick: lambda x: x * _sigmoid(f3
 _SCALAR_FOR_F16 = {ops.Silu: _silu_scalar}  # ggml_vec_silu_f16/bf16 have no 16-lane path
 
 
+def _profiled(fn: Callable, numerics) -> Callable:
+    """`fn` bound to the numerics profile when it is one of ggml's vectorised loops."""
+    return (lambda x: fn(x, numerics)) if fn is ggml_math.vec_silu else fn
+
+
 @kernel(*_UNARY)
 def _unary(ctx, node, args, bindings):
     fn = _UNARY[type(node.op)]
@@ -166,7 +171,7 @@ def _unary(ctx, node, args, bindings):
     if _in(node, 0) == BF16:  # ggml's bf16 gelus compute in f32, without the f16 tables
         fn = _EXACT_FOR_BF16.get(type(node.op), fn)
     with np.errstate(all="ignore"):
-        y = fn(to_f32(args[0], _in(node, 0)))
+        y = _profiled(fn, ctx.numerics)(to_f32(args[0], _in(node, 0)))
     return from_f32(np.asarray(y, dtype=f32), node.dtype)
 
 
@@ -189,7 +194,7 @@ def _glu(ctx, node, args, bindings):
     if act is ggml_math.vec_silu and _in(node, 0) != F32:  # ggml_vec_swiglu_f16/bf16: scalar silu
         act = _silu_scalar
     with np.errstate(all="ignore"):
-        y = act(a) * b
+        y = _profiled(act, ctx.numerics)(a) * b
     return from_f32(y, node.dtype)
 
 
@@ -226,23 +231,13 @@ def _rms_norm(ctx, node, args, bindings):
     return from_f32(x * scale, node.dtype)
 
 
-def _centred_variance(centred: np.ndarray) -> np.ndarray:
-    """ggml_vec_cvar_f32's sum of squares: 16-lane float32 chunks reduced by _mm512_reduce_add_ps,
-    then the tail one by one, all into a float64; divided by n."""
-    n = centred.shape[-1]
-    k = n - n % 16
-    squares = centred * centred
-    chunks = ggml_math.reduce_add_16(squares[..., :k].reshape(squares.shape[:-1] + (k // 16, 16)))
-    terms = np.concatenate([chunks, squares[..., k:]], axis=-1)
-    return _row_sums(terms) / n
-
-
 @kernel(ops.Norm)
 def _norm(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
     mean = _row_sums(x).astype(f32) / f32(x.shape[-1])   # ggml_vec_sum_f32, then a float division
     centred = x - mean
-    var = _centred_variance(centred).astype(f32)
+    # ggml_vec_cvar_f32: the squares summed vector by vector, then the tail, into a float64
+    var = (ggml_math.chunked_sum(centred * centred, ctx.numerics) / x.shape[-1]).astype(f32)
     return from_f32(centred * (f32(1) / np.sqrt(var + f32(node.op.eps))), node.dtype)
 
 

@@ -26,15 +26,12 @@ def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool
               sgemm: bool = False) -> np.ndarray:
     """b [N, K] f32 @ a[M, K].T -> [N, M] f32, with b rounded to a's vec_dot_type (ggml CPU).
     `sgemm`: ggml would offer this float matmul to llamafile's tinyBLAS (see _mul_mat)."""
-    from llamir.ir import quants, quants_x86
+    from llamir.ir import float_x86, quants, quants_x86
 
     if not ctx.exact:
         return _matmul_fast(ctx, a, a_dtype, b, cacheable)
-    if a_dtype in (F32, F16):
-        return quants_x86.mul_mat_float(a, b, sgemm)
-    if a_dtype == BF16:
-        a32 = _cached(ctx, a, a_dtype, "f32", lambda: to_f32(a, a_dtype)) if cacheable else to_f32(a, a_dtype)
-        return to_f32(from_f32(b, BF16), BF16) @ a32.T
+    if a_dtype in (F32, F16, BF16):
+        return float_x86.mul_mat_float(a, b, ctx.numerics, sgemm)
     if a_dtype.name in quants_x86.EXACT_TYPES:
         w = _cached(ctx, a, a_dtype, "x86", lambda: quants_x86.prepare(a, a_dtype)) if cacheable \
             else quants_x86.prepare(a, a_dtype)
@@ -231,7 +228,7 @@ def _soft_max(ctx, node, args, bindings):
     if op.sinks:
         sinks = rest.pop(0).astype(f32)[:, None, None]
         row_max = np.maximum(row_max, sinks)
-    e, total = ggml_math.vec_soft_max(w, row_max)  # ggml_compute_forward_soft_max_f32
+    e, total = ggml_math.vec_soft_max(w, row_max, ctx.numerics)  # ggml_compute_forward_soft_max_f32
     if sinks is not None:
         with np.errstate(invalid="ignore"):
             total = total + ggml_math.expf(np.broadcast_to(sinks - row_max, total.shape)).astype(np.float64)

@@ -30,6 +30,8 @@ class Numerics:
     lanes: int             # GGML_F32_EPR: floats per vector
     bf16_dot: bool         # vdpbf16ps (AVX512_BF16): pairs of bf16 products per lane
     repack_q2_k: bool      # q2_K weights go to the CPU_REPACK q2_K_8x8 kernels (AVX-512 builds)
+    fused_tail: int        # ggml_vec_dot_f32's leftovers as GCC compiles them: the products of whole
+                           # vector groups are rounded, the scalar last K % fused_tail are fmas
 
     @property
     def step(self) -> int:
@@ -40,8 +42,8 @@ class Numerics:
         return self.name
 
 
-AVX512 = Numerics("avx512", lanes=16, bf16_dot=True, repack_q2_k=True)
-AVX2 = Numerics("avx2", lanes=8, bf16_dot=False, repack_q2_k=False)
+AVX512 = Numerics("avx512", lanes=16, bf16_dot=True, repack_q2_k=True, fused_tail=8)
+AVX2 = Numerics("avx2", lanes=8, bf16_dot=False, repack_q2_k=False, fused_tail=4)
 PROFILES: dict[str, Numerics] = {p.name: p for p in (AVX512, AVX2)}
 
 

@@ -1,4 +1,4 @@
-"""ggml's x86 (AVX2 and up) dot products of Q8_0, Q4_1, Q5_0, Q5_1, F16 and F32 weights, bit for bit.
+"""ggml's x86 (AVX2 and up) dot products of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights, bit for bit.
 
 For these types both ggml's vec_dot (token generation) and llamafile's tinyBLAS (prompts)
 accumulate the same way: for each 32-value block, 8 lanes of 4-value integer sums (exact),
@@ -7,7 +7,7 @@ horizontal sum ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)). Q4_1/Q5_1 add sum_b m_a*s_
 accumulated with fma. Matching this order makes the numpy reference agree with llama.cpp exactly,
 so a quantized activation never rounds differently and greedy decoding stays identical.
 
-F16 and F32 weights (and KV caches) follow ggml's AVX-512 float paths, see `mul_mat_float`.
+Float weights (and KV caches) are in llamir/ir/float_x86.py.
 """
 
 from __future__ import annotations
@@ -131,64 +131,3 @@ def mul_mat_exact(w: PreparedWeight, dtype: DType, b: np.ndarray) -> np.ndarray:
     """b [N, K] f32 @ weight.T with ggml's x86 quantization of b and its accumulation order."""
     q, d, s = quantize_activations(b, with_sum=w.m is not None)
     return mul_mat(w, q, d, s)
-
-
-# -- f16/f32 weights: tinyBLAS (prompts) and ggml_vec_dot_f16/f32 (one token), AVX-512 ----------
-def _sum_lanes(a: np.ndarray, b: np.ndarray, stop: int, width: int) -> np.ndarray:
-    """[n, m, width] float32 lanes: lane j accumulates b[:, l+j] * a[:, l+j] for l = 0, width, ...
-    < stop, in order, each step one fma. f16 x f16 products are exact in float32, so for f16
-    inputs that fma is a plain float32 add."""
-    from llamir.ir.ggml_math import fma
-
-    exact_products = a.dtype == np.float16
-    a32, b32 = a.astype(f32), b.astype(f32)
-    acc = np.zeros((b.shape[0], a.shape[0], width), dtype=f32)
-    product = np.empty_like(acc)
-    for l0 in range(0, stop, width):
-        bl, al = b32[:, None, l0:l0 + width], a32[None, :, l0:l0 + width]
-        if exact_products:
-            np.multiply(bl, al, out=product)
-            acc += product
-        else:
-            acc = fma(bl, al, acc)
-    return acc
-
-
-def _float_block(a: np.ndarray, b: np.ndarray, tinyblas: bool) -> np.ndarray:
-    """b @ a.T for one block, a and b both float16 or both float32 arrays."""
-    from llamir.ir.ggml_math import fma, reduce_add_16
-
-    k = a.shape[-1]
-    if tinyblas:  # one 16-lane accumulator per output, then _mm512_reduce_add_ps
-        return reduce_add_16(_sum_lanes(a, b, k, 16))
-    main = k - k % 64  # GGML_F32_STEP: four 16-lane accumulators, summed (0+2)+(1+3), then reduced
-    acc = _sum_lanes(a, b, main, 64)
-    total = reduce_add_16((acc[..., 0:16] + acc[..., 32:48]) + (acc[..., 16:32] + acc[..., 48:64]))
-    a32, b32 = a.astype(f32), b.astype(f32)
-    if a.dtype == np.float16:  # ggml_vec_dot_f16: leftovers one by one into a float64 sum
-        total = total.astype(f64)
-        for i in range(main, k):
-            total += b32[:, None, i] * a32[None, :, i]
-    else:  # ggml_vec_dot_f32 sums its leftovers into a float: GCC's vectorised epilogue (16 and 8
-        # lanes) rounds the products first, its scalar tail (the last k % 8) fuses them (vfmadd231ss)
-        for i in range(main, k):
-            product = b32[:, None, i] * a32[None, :, i]
-            total = total + product if i < k - k % 8 else fma(b32[:, None, i], a32[None, :, i], total)
-    return total.astype(f32)
-
-
-def mul_mat_float(a: np.ndarray, b: np.ndarray, sgemm: bool = True) -> np.ndarray:
-    """b [N, K] f32 @ a.T for a [M, K] float16 or float32, as ggml's AVX-512 CPU backend sums:
-    b is rounded to a's type (the vec_dot_type), then llamafile's tinyBLAS takes the matmul when
-    offered (`sgemm`) and able (N >= 2, K % 16 == 0, M % 4 == 0), ggml_vec_dot_f16/f32 otherwise."""
-    n, k = b.shape
-    m = a.shape[0]
-    b = b.astype(a.dtype)
-    tinyblas = sgemm and n >= 2 and k % 16 == 0 and m % 4 == 0
-    out = np.empty((n, m), dtype=f32)
-    rows = max(1, _ROW_CHUNK // max(1, m * 64))
-    cols = m if rows > 1 else max(1, _ROW_CHUNK // 64)
-    for n0 in range(0, n, rows):
-        for m0 in range(0, m, cols):
-            out[n0:n0 + rows, m0:m0 + cols] = _float_block(a[m0:m0 + cols], b[n0:n0 + rows], tinyblas)
-    return out

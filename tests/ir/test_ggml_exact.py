@@ -5,8 +5,9 @@ interpreter) and once with ggml through ctypes (llamir.testing.libggml, the libg
 llama-cpp-python, computed on 2 threads), on inputs of the scales and shapes models use, and
 requires identical float bits. That is what keeps quantized models' logits exactly equal to
 llama.cpp's: a single last-bit difference upstream of a Q8 quantization or an f16 rounding can
-flip a greedy token. The expectations hold for ggml's x86 AVX-512 build (GCC, FMA contraction)
-that llama-cpp-python ships here; see llamir/ir/ggml_math.py for what each emulation follows.
+flip a greedy token. The interpreter runs the numerics profile of the installed oracle's build
+(AVX-512 or AVX2, read from llama_print_system_info()); see llamir/ir/ggml_math.py for what each
+emulation follows.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ def ggml():
     from llamir.testing.libggml import LibGgml
 
     lib = LibGgml.load()
-    if lib is None:
-        pytest.skip("llama-cpp-python (with its libggml) is not installed")
+    assert lib is not None, "llama-cpp-python (with its libggml), the oracle, is not installed"
     return lib
+
+
+@pytest.fixture(scope="module")
+def profile():
+    from llamir.testing.llama_cpp import oracle_numerics
+
+    return oracle_numerics()
 
 
 @pytest.fixture
@@ -39,11 +46,13 @@ def rng() -> np.random.Generator:
 
 
 def ours(build, **inputs: np.ndarray) -> np.ndarray:
-    """build(g, **nodes) -> node, evaluated by the reference interpreter."""
+    """build(g, **nodes) -> node, evaluated by the reference interpreter in the oracle's profile."""
+    from llamir.testing.llama_cpp import oracle_numerics
+
     g = GraphBuilder("exact")
     nodes = {name: g.input(name, list(v.shape), _DTYPES[v.dtype]) for name, v in inputs.items()}
     g.output("y", build(g, **nodes))
-    return run_graph(g.graph, inputs)["y"]
+    return run_graph(g.graph, inputs, numerics=oracle_numerics(), n_threads=2)["y"]
 
 
 def theirs(ggml, build, *arrays: np.ndarray | None, n_threads: int = 2) -> np.ndarray:
@@ -194,7 +203,8 @@ def test_norms_and_reductions(ggml, rng, width):
     (256, 1, 64),      # decode k.q: ggml_vec_dot_f16/f32, one 64-wide step
     (64, 1, 256),      # decode kq.v
     (96, 1, 200),      # vec_dot leftovers (f32: 8 vectorised unfused, then 0 fused)
-    (40, 1, 71),       # f32 leftovers: 7 fused by GCC's scalar tail
+    (40, 1, 71),       # f32 leftovers: 7 fused by GCC's scalar tail (AVX2: 3 fused, 4 rounded)
+    (40, 1, 125),      # leftovers 61 (AVX-512) / 29 (AVX2): both epilogue widths and the tail
     (256, 7, 64),      # prompt: tinyBLAS, 16 lanes
     (64, 7, 256),
     (250, 7, 64),      # m % 4 != 0: tinyBLAS declines, vec_dot per output
@@ -205,6 +215,31 @@ def test_mul_mat_float(ggml, rng, weight_dtype, m, n, k):
     b = rng.normal(0, 1, (n, k)).astype(f32)
     got = ours(lambda g, a, b: g.mul_mat(a, b), a=a, b=b)
     assert_same_bits(got, theirs(ggml, lambda g, a, b: g.op("ggml_mul_mat", a, b), a, b))
+
+
+@pytest.mark.parametrize("m,n,k", [
+    (64, 1, 256),      # ggml_vec_dot_bf16: vdpbf16ps pairs (AVX-512) or 8-lane fmas (AVX2)
+    (48, 1, 200),      # leftovers into the double
+    (64, 5, 256),      # tinyBLAS: 32-wide vdpbf16ps steps, or 8-lane fmas
+    (64, 5, 72),       # K % 32 != 0: AVX-512 declines tinyBLAS, AVX2 takes it
+    (62, 5, 64),       # M % 4 != 0: vec_dot
+])
+def test_mul_mat_bf16(ggml, rng, m, n, k):
+    """bf16 weights: src1 rounded to bf16 (nearest even), products exact, denormals flushed by vdpbf16ps."""
+    from llamir.ir import BF16
+    from llamir.ir.interp_kernels import f32_to_bf16
+    from llamir.testing.libggml import Raw
+
+    bits = f32_to_bf16(rng.normal(0, 1, (m, k)).astype(f32))
+    bits[0, :4] = [0x0001, 0x8002, 0x0040, 0x3F80]                 # bf16 denormals, and 1.0
+    b = rng.normal(0, 1, (n, k)).astype(f32)
+    g = GraphBuilder("exact")
+    y = g.mul_mat(g.input("a", [m, k], BF16), g.input("b", [n, k], F32))
+    g.output("y", y)
+    from llamir.testing.llama_cpp import oracle_numerics
+    got = run_graph(g.graph, {"a": bits, "b": b}, numerics=oracle_numerics())["y"]
+    raw = Raw(bits.view(np.uint8).reshape(m, 2 * k), int(BF16.ggml_type), (m, k))
+    assert_same_bits(got, theirs(ggml, lambda g, a, b: g.op("ggml_mul_mat", a, b), raw, b))
 
 
 def test_mul_mat_broadcast_heads(ggml, rng):
