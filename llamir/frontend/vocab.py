@@ -172,8 +172,10 @@ class Vocab:
             raise ValueError("tokenizer.ggml.tokens is empty")
         scores = self._array(meta, "tokenizer.ggml.scores", n, np.float32)
         types = self._array(meta, "tokenizer.ggml.token_type", n, np.int64)
-        # llama.cpp renames empty tokens so that no special token can match the empty string
-        self._texts: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        # llama.cpp reads each text as a C string (gguf_get_arr_str), so a NUL ends it, and renames
+        # empty tokens so that no special token can match the empty string
+        texts = [t.partition("\0")[0] if "\0" in t else t for t in tokens]
+        self._texts: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
         self._token_bytes = [t.encode("utf-8", "surrogatepass") for t in self._texts]
         self._token_to_id = {t: i for i, t in enumerate(self._texts)}   # a later duplicate wins
         self._scores = scores.tolist() if scores is not None else [0.0] * n
