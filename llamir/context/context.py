@@ -384,11 +384,12 @@ class Context:
         return len(self.state_get_data())
 
     def state_get_data(self) -> bytes:
-        """llama_state_get_data: outputs and memory, in llama.cpp's layout."""
+        """llama_state_get_data: the model arch and the memory, in llama.cpp's layout."""
         return state.write_state(self)
 
     def state_set_data(self, data: bytes) -> int:
-        """llama_state_set_data: restore; a bad blob raises StateError and changes nothing."""
+        """llama_state_set_data: restore (the outputs are dropped); a bad blob raises StateError and
+        changes nothing."""
         return state.read_state(self, bytes(data))
 
     def state_seq_get_size(self, seq_id: int, flags: int = 0) -> int:
@@ -401,22 +402,18 @@ class Context:
         return state.read_seq_state(self, bytes(data), dest_seq_id, flags)
 
     def state_save_file(self, path, tokens) -> int:
-        """Session file: magic 'ggsn', version, the token list, then the state."""
-        return state.write_file(path, state.SESSION_MAGIC, state.SESSION_VERSION, tokens, self.state_get_data())
+        """Session file: magic 'ggsn', version 10, the token list, then the state."""
+        return state.save_file(self, path, tokens)
 
     def state_load_file(self, path, n_token_capacity: int) -> list[int]:
-        tokens, body = state.read_file(path, state.SESSION_MAGIC, state.SESSION_VERSION, n_token_capacity)
-        self.state_set_data(body)
-        return tokens
+        """A session file of version 10 (llama.cpp's) or 9 (llamir's older ones); its tokens."""
+        return state.load_file(self, path, n_token_capacity)
 
     def state_seq_save_file(self, path, seq_id: int, tokens) -> int:
-        return state.write_file(path, state.STATE_SEQ_MAGIC, state.STATE_SEQ_VERSION, tokens,
-                                self.state_seq_get_data(seq_id))
+        return state.save_seq_file(self, path, seq_id, tokens)
 
     def state_seq_load_file(self, path, dest_seq_id: int, n_token_capacity: int) -> list[int]:
-        tokens, body = state.read_file(path, state.STATE_SEQ_MAGIC, state.STATE_SEQ_VERSION, n_token_capacity)
-        self.state_seq_set_data(body, dest_seq_id)
-        return tokens
+        return state.load_seq_file(self, path, dest_seq_id, n_token_capacity)
 
     # -- memory breakdown -------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, dict[str, int]]:

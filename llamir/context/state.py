@@ -1,13 +1,22 @@
-"""Saving and restoring a context's state in llama.cpp's binary layout (little-endian).
+"""Saving and restoring a context's state in llama.cpp's binary layout (little-endian), as
+llama.cpp 0.3.36 writes it.
 
-Full state: the architecture name, the outputs (n_outputs, each row's batch position, the
-logits, the embeddings), then the memory. The memory is, per KV cache, n_stream, and per
-stream the cell count, each cell's position and sequence ids, then per layer the K rows and
-the V rows (or, for a transposed V, each embedding row's elements per cell range).
+Whole context (llama_state_get_data, and session files: magic 'ggsn', version 10): the
+architecture name, then the memory. Session files of version 9, which llamir wrote before, hold
+the outputs between the two (n_outputs, each row's batch position, the logits, the embeddings);
+they are still read, and restore those outputs too.
+One sequence (llama_state_seq_get_data): an 8-byte prefix (the magic 0xaf143cd8 and the seq id),
+then the memory's part for that sequence. Sequence files (magic 'ggsq', version 3; version 2 is
+read too, its layout is the same) hold the memory's part without the prefix.
+The memory is, per KV cache, n_stream, and per stream the cell count, each cell's position and
+sequence ids, then per layer the K rows and the V rows (or, for a transposed V, each embedding
+row's elements per cell range).
 
 Reading is staged: the whole blob is parsed and checked against this context first, and only
 then applied, so a truncated, corrupted or mismatched state leaves the context exactly as it
-was (llama.cpp clears the cache instead; here nothing already held is lost).
+was (llama.cpp clears the cache instead; here nothing already held is lost). A version 10 state
+has no outputs, so a successful load drops the context's (llama.cpp keeps the previous batch's,
+which no longer belong to the memory): decode a token to get logits again.
 """
 
 from __future__ import annotations
@@ -22,8 +31,11 @@ from llamir.context.batch import ubatch_reserve
 from llamir.context.kv_cache import KVCache, is_masked_swa
 from llamir.frontend.graph_kv import cache_k_name, cache_v_name
 
-SESSION_MAGIC, SESSION_VERSION = 0x6767736E, 9        # 'ggsn'
-STATE_SEQ_MAGIC, STATE_SEQ_VERSION = 0x67677371, 2    # 'ggsq'
+SESSION_MAGIC, SESSION_VERSION = 0x6767736E, 10       # 'ggsn'
+SESSION_VERSION_WITH_OUTPUTS = 9                      # llamir's older files: outputs before the memory
+STATE_SEQ_MAGIC, STATE_SEQ_VERSION = 0x67677371, 3    # 'ggsq'
+STATE_SEQ_VERSIONS_READ = (2, 3)                      # the same layout
+SEQ_STATE_MAGIC = 0xAF143CD8                          # llama.cpp's io_magic, first in a sequence blob
 STATE_SEQ_FLAGS_PARTIAL_ONLY = 1
 
 
@@ -273,62 +285,106 @@ def write_file(path: str | Path, magic: int, version: int, tokens, body: bytes) 
     return len(data)
 
 
-def read_file(path: str | Path, magic: int, version: int, n_token_capacity: int) -> tuple[list[int], bytes]:
+def read_file(path: str | Path, magic: int, versions: tuple[int, ...], n_token_capacity: int,
+              kind: str) -> tuple[int, list[int], bytes]:
+    """The header of a `kind` file: (its version, its tokens, the body after them)."""
     try:
         data = Path(path).read_bytes()
     except OSError as err:
         raise StateError(f"cannot read {path}: {err.strerror or err}") from None
     r = Reader(data)
     got_magic, got_version = r.unpack("II", "magic and version")
-    if got_magic != magic or got_version != version:
-        raise StateError(f"{path}: unknown (magic, version) for session file: {got_magic:08x}, {got_version} "
-                         f"(expected {magic:08x}, {version})")
+    if got_magic != magic or got_version not in versions:
+        raise StateError(f"{path}: unknown (magic, version) for {kind} file: {got_magic:08x}, {got_version} "
+                         f"(expected {magic:08x}, {' or '.join(map(str, versions))})")
     n = r.unpack("I", "token count")
     if n > n_token_capacity:
-        raise StateError(f"{path}: token count in session file exceeded capacity! {n} > {n_token_capacity}")
+        raise StateError(f"{path}: token count in {kind} file exceeded capacity! {n} > {n_token_capacity}")
     tokens = np.frombuffer(bytes(r.bytes(4 * n, "tokens")), dtype="<i4").tolist()
-    return tokens, bytes(r.data[r.pos:])
+    return got_version, tokens, bytes(r.data[r.pos:])
+
+
+def save_file(ctx, path: str | Path, tokens) -> int:
+    """llama_state_save_file: 'ggsn', version 10, the tokens, then the whole state; the bytes written."""
+    return write_file(path, SESSION_MAGIC, SESSION_VERSION, tokens, write_state(ctx))
+
+
+def load_file(ctx, path: str | Path, n_token_capacity: int) -> list[int]:
+    """llama_state_load_file: a version 10 file, or a version 9 one with its outputs; every byte
+    must be used. Returns the tokens."""
+    versions = (SESSION_VERSION_WITH_OUTPUTS, SESSION_VERSION)
+    version, tokens, body = read_file(path, SESSION_MAGIC, versions, n_token_capacity, "session")
+    try:
+        _read_state(ctx, body, with_outputs=version == SESSION_VERSION_WITH_OUTPUTS)
+    except StateError as err:
+        raise StateError(f"{path}: {err}") from None
+    return tokens
+
+
+def save_seq_file(ctx, path: str | Path, seq_id: int, tokens) -> int:
+    """llama_state_seq_save_file: 'ggsq', version 3, the tokens, then the sequence's memory (without
+    the blob's 8-byte prefix); the bytes written."""
+    return write_file(path, STATE_SEQ_MAGIC, STATE_SEQ_VERSION, tokens, _seq_memory(ctx, seq_id, 0))
+
+
+def load_seq_file(ctx, path: str | Path, dest_seq_id: int, n_token_capacity: int) -> list[int]:
+    """llama_state_seq_load_file into dest_seq_id (versions 2 and 3). Returns the tokens."""
+    _, tokens, body = read_file(path, STATE_SEQ_MAGIC, STATE_SEQ_VERSIONS_READ, n_token_capacity, "sequence state")
+    try:
+        _read_seq_memory(ctx, Reader(body), dest_seq_id, 0)
+    except StateError as err:
+        raise StateError(f"{path}: {err}") from None
+    return tokens
 
 
 # -- the whole context -----------------------------------------------------------------------------
 def write_state(ctx) -> bytes:
-    """llama_state_get_data: arch, outputs, memory."""
+    """llama_state_get_data: the architecture name, then the memory."""
     w = Writer()
     w.string(ctx.model.hparams.arch)
-    out = ctx.outputs
-    out.reorder()
-    n_outputs = out.n_outputs
-    positions = np.full(n_outputs, -1, dtype=np.int32)
-    for batch_idx in np.nonzero(out.output_ids >= 0)[0]:
-        row = int(out.output_ids[batch_idx])
-        if row < n_outputs:
-            positions[row] = batch_idx
-    w.pack("I", n_outputs)
-    w.raw(positions)
-    logits = out.logits[:n_outputs] if out.has_logits else np.zeros((0,), np.float32)
-    w.pack("Q", logits.size)
-    w.raw(logits.astype(np.float32))
-    embd = out.embd[:n_outputs] if out.has_embd else np.zeros((0,), np.float32)
-    w.pack("Q", embd.size)
-    w.raw(embd.astype(np.float32))
     ctx.memory.state_write(w)
     return w.getvalue()
 
 
 def read_state(ctx, data: bytes) -> int:
-    """llama_state_set_data: parse and check everything, then replace outputs and memory."""
+    """llama_state_set_data: parse and check everything, then replace the memory (and drop the
+    outputs, which the state does not hold). Returns the bytes read."""
+    return _read_state(ctx, data, with_outputs=False)
+
+
+@dataclass
+class SavedOutputs:
+    """The outputs of a version 9 state: each row's batch position, its logits and embeddings."""
+
+    positions: np.ndarray
+    logits: np.ndarray   # n_outputs * n_vocab values, or none
+    embd: np.ndarray     # n_outputs * n_embd values, or none
+
+
+def _read_state(ctx, data: bytes, with_outputs: bool) -> int:
     r = Reader(data)
     arch = r.string("model arch")
     if arch != ctx.model.hparams.arch:
         raise StateError(f"wrong model arch: '{arch}' instead of '{ctx.model.hparams.arch}'")
-    out = ctx.outputs
+    outputs = _read_outputs(r, ctx) if with_outputs else None
+    staged = [(cache, read_cache(r, cache, -1)) for cache in caches_of(ctx.memory)]
+    if r.pos != len(r.data):
+        raise StateError(f"{len(r.data) - r.pos} unexpected bytes after the state")
+    _apply_outputs(ctx.outputs, outputs)
+    for cache, streams in staged:
+        apply_cache(cache, streams, -1)
+    return r.pos
+
+
+def _read_outputs(r: Reader, ctx) -> SavedOutputs:
+    out, n_batch = ctx.outputs, ctx.cparams.n_batch
     n_outputs = r.unpack("I", "n_outputs")
-    if n_outputs > max(ctx.cparams.n_batch, ctx.cparams.n_seq_max):
-        raise StateError(f"too many output rows: {n_outputs} > {ctx.cparams.n_batch}")
+    if n_outputs > max(n_batch, ctx.cparams.n_seq_max):
+        raise StateError(f"too many output rows: {n_outputs} > {n_batch}")
     positions = np.frombuffer(bytes(r.bytes(4 * n_outputs, "output positions")), dtype="<i4")
-    bad = positions[(positions < 0) | (positions >= ctx.cparams.n_batch)]
+    bad = positions[(positions < 0) | (positions >= n_batch)]
     if len(bad):
-        raise StateError(f"invalid output id, {int(bad[0])} does not fit in batch size of {ctx.cparams.n_batch}")
+        raise StateError(f"invalid output id, {int(bad[0])} does not fit in batch size of {n_batch}")
     n_logits = r.unpack("Q", "logits size")
     if n_logits not in (0, n_outputs * out.n_vocab):
         raise StateError(f"logits size {n_logits} does not match {n_outputs} rows of {out.n_vocab}")
@@ -337,33 +393,54 @@ def read_state(ctx, data: bytes) -> int:
     if n_embd not in (0, n_outputs * out.n_embd) or (n_embd and not out.has_embd):
         raise StateError(f"embeddings size {n_embd} does not match this context")
     embd = np.frombuffer(bytes(r.bytes(4 * n_embd, "embeddings")), dtype="<f4")
-    staged = [(cache, read_cache(r, cache, -1)) for cache in caches_of(ctx.memory)]
-    if r.pos != len(r.data):
-        raise StateError(f"{len(r.data) - r.pos} unexpected bytes after the state")
-    out.reserve(n_outputs)
+    return SavedOutputs(positions, logits, embd)
+
+
+def _apply_outputs(out, saved: SavedOutputs | None) -> None:
+    """The saved outputs in batch order, or none at all; pooled embeddings of the last batch go."""
     out.swaps.clear()
-    if n_logits:
-        out.logits[:n_outputs] = logits.reshape(n_outputs, out.n_vocab)
-    if n_embd:
-        out.embd[:n_outputs] = embd.reshape(n_outputs, out.n_embd)
-    for row, batch_idx in enumerate(positions):
+    out.embd_seq.clear()
+    if saved is None:
+        out.output_ids[:] = -1
+        out.n_outputs = 0
+        return
+    n_outputs = len(saved.positions)
+    out.reserve(n_outputs)
+    if saved.logits.size:
+        out.logits[:n_outputs] = saved.logits.reshape(n_outputs, out.n_vocab)
+    if saved.embd.size:
+        out.embd[:n_outputs] = saved.embd.reshape(n_outputs, out.n_embd)
+    for row, batch_idx in enumerate(saved.positions):
         out.output_ids[batch_idx] = row
     out.n_outputs = n_outputs
-    for cache, streams in staged:
-        apply_cache(cache, streams, -1)
-    return r.pos
 
 
+# -- one sequence ----------------------------------------------------------------------------------
 def write_seq_state(ctx, seq_id: int, flags: int = 0) -> bytes:
+    """llama_state_seq_get_data: the magic and the seq id, then the sequence's memory."""
+    return struct.pack("<Ii", SEQ_STATE_MAGIC, seq_id) + _seq_memory(ctx, seq_id, flags)
+
+
+def read_seq_state(ctx, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
+    """llama_state_seq_set_data into dest_seq_id (the id in the prefix is the source's, unused).
+    Returns the bytes read."""
+    r = Reader(data)
+    magic = r.unpack("I", "sequence state magic")
+    if magic != SEQ_STATE_MAGIC:
+        raise StateError(f"wrong sequence state magic: {magic:08x} instead of {SEQ_STATE_MAGIC:08x}")
+    r.unpack("i", "sequence id")
+    return _read_seq_memory(ctx, r, dest_seq_id, flags)
+
+
+def _seq_memory(ctx, seq_id: int, flags: int) -> bytes:
     w = Writer()
     ctx.memory.state_write(w, seq_id, flags)
     return w.getvalue()
 
 
-def read_seq_state(ctx, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
+def _read_seq_memory(ctx, r: Reader, dest_seq_id: int, flags: int) -> int:
     if not 0 <= dest_seq_id < ctx.cparams.n_seq_max and not ctx.cparams.kv_unified:
         raise StateError(f"dest_seq_id {dest_seq_id} is out of range [0, {ctx.cparams.n_seq_max})")
-    r = Reader(data)
     staged = [(cache, read_cache(r, cache, dest_seq_id)) for cache in caches_of(ctx.memory, flags)]
     if r.pos != len(r.data):
         raise StateError(f"{len(r.data) - r.pos} unexpected bytes after the sequence state")

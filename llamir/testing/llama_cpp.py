@@ -320,6 +320,45 @@ class LlamaCppOracle:
     def seq_pos_max(self, seq_id: int) -> int:
         return int(self._lib.llama_memory_seq_pos_max(self._mem, seq_id))
 
+    # -- state (llama_state_*): blobs as bytes; a refused load gives 0, False or None -----------
+
+    def state_get_data(self) -> bytes:
+        buf = (ctypes.c_uint8 * self._lib.llama_state_get_size(self._ctx))()
+        n = self._lib.llama_state_get_data(self._ctx, buf, len(buf))
+        return bytes(buf)[:n]
+
+    def state_set_data(self, data: bytes) -> int:
+        return int(self._lib.llama_state_set_data(self._ctx, (ctypes.c_uint8 * len(data)).from_buffer_copy(data),
+                                                  len(data)))
+
+    def state_seq_get_data(self, seq_id: int) -> bytes:
+        buf = (ctypes.c_uint8 * self._lib.llama_state_seq_get_size(self._ctx, seq_id))()
+        n = self._lib.llama_state_seq_get_data(self._ctx, buf, len(buf), seq_id)
+        return bytes(buf)[:n]
+
+    def state_seq_set_data(self, data: bytes, dest_seq_id: int) -> int:
+        src = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(self._lib.llama_state_seq_set_data(self._ctx, src, len(data), dest_seq_id))
+
+    def state_save_file(self, path: str | Path, tokens: Sequence[int]) -> bool:
+        arr = (self._lib.llama_token * len(tokens))(*tokens)
+        return bool(self._lib.llama_state_save_file(self._ctx, str(path).encode(), arr, len(tokens)))
+
+    def state_load_file(self, path: str | Path, n_token_capacity: int) -> list[int] | None:
+        arr, n = (self._lib.llama_token * n_token_capacity)(), ctypes.c_size_t(0)
+        ok = self._lib.llama_state_load_file(self._ctx, str(path).encode(), arr, n_token_capacity, ctypes.byref(n))
+        return list(arr[:n.value]) if ok else None
+
+    def state_seq_save_file(self, path: str | Path, seq_id: int, tokens: Sequence[int]) -> int:
+        arr = (self._lib.llama_token * len(tokens))(*tokens)
+        return int(self._lib.llama_state_seq_save_file(self._ctx, str(path).encode(), seq_id, arr, len(tokens)))
+
+    def state_seq_load_file(self, path: str | Path, dest_seq_id: int, n_token_capacity: int) -> list[int] | None:
+        arr, n = (self._lib.llama_token * n_token_capacity)(), ctypes.c_size_t(0)
+        read = self._lib.llama_state_seq_load_file(self._ctx, str(path).encode(), dest_seq_id, arr,
+                                                   n_token_capacity, ctypes.byref(n))
+        return list(arr[:n.value]) if read else None
+
 
 class OracleContext:
     """The slice of llamir.Context that llamir.context.perplexity drives, backed by llama.cpp, so
