@@ -129,6 +129,17 @@ def _leftovers_f32(a: np.ndarray, b: np.ndarray, total: np.ndarray, main: int, n
     return total.astype(f32)
 
 
+def vec_dots(a: np.ndarray, b: np.ndarray, numerics: Numerics) -> np.ndarray:
+    """[N, M]: ggml_vec_dot_* of every row of b [N, K] with every row of a [M, K], both already of
+    a's type (float32, float16 or bf16 bits)."""
+    n, m = b.shape[0], a.shape[0]
+    out = np.empty((n, m), dtype=f32)
+    rows = max(1, _CHUNK // max(1, m * numerics.step))
+    for n0 in range(0, n, rows):
+        out[n0:n0 + rows] = _vec_dot(a, b[n0:n0 + rows], numerics)
+    return out
+
+
 def _block(a: np.ndarray, b: np.ndarray, tinyblas: bool, numerics: Numerics) -> np.ndarray:
     return _tinyblas(a, b, numerics) if tinyblas else _vec_dot(a, b, numerics)
 

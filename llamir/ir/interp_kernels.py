@@ -326,4 +326,5 @@ def _repeat(ctx, node, args, bindings):
     return np.ascontiguousarray(tile_to(args[0], shape))
 
 
-from llamir.ir import interp_nn as _nn  # noqa: E402,F401  (registers the matmul and attention kernels)
+from llamir.ir import interp_attention as _attention  # noqa: E402,F401  (registers flash_attn_ext)
+from llamir.ir import interp_nn as _nn  # noqa: E402,F401  (registers the matmul, rope and softmax kernels)

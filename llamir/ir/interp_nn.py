@@ -23,23 +23,27 @@ def _cached(ctx, a: np.ndarray, dtype: DType, what: str, make):
 
 
 def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool,
-              sgemm: bool = False) -> np.ndarray:
+              sgemm: bool = False, repack_op: str | None = None) -> np.ndarray:
     """b [N, K] f32 @ a[M, K].T -> [N, M] f32, with b rounded to a's vec_dot_type (ggml CPU).
-    `sgemm`: ggml would offer this float matmul to llamafile's tinyBLAS (see _mul_mat)."""
-    from llamir.ir import float_x86, quants, quants_x86
+    `sgemm`: ggml would offer this float matmul to llamafile's tinyBLAS (see _mul_mat).
+    `repack_op`: "mul_mat" or "mul_mat_id" when `a` is a model weight that llama.cpp offers to the
+    CPU_REPACK buffer type for that op (a 2-D mul_mat weight, a 3-D mul_mat_id expert tensor)."""
+    from llamir.ir import float_x86, quants_k_x86, quants_x86, repack_x86
 
     if not ctx.exact:
         return _matmul_fast(ctx, a, a_dtype, b, cacheable)
     if a_dtype in (F32, F16, BF16):
         return float_x86.mul_mat_float(a, b, ctx.numerics, sgemm)
+    repack = repack_op is not None and repack_x86.repack_type(a_dtype, a.shape[0], ctx.numerics) is not None
+    if a_dtype.name in quants_k_x86.K_TYPES:
+        w = _cached(ctx, a, a_dtype, "x86k", lambda: quants_k_x86.prepare(a, a_dtype)) if cacheable \
+            else quants_k_x86.prepare(a, a_dtype)
+        return quants_k_x86.mul_mat(w, b, repack, gemm=repack_op == "mul_mat")
     if a_dtype.name in quants_x86.EXACT_TYPES:
-        w = _cached(ctx, a, a_dtype, "x86", lambda: quants_x86.prepare(a, a_dtype)) if cacheable \
-            else quants_x86.prepare(a, a_dtype)
+        w = _cached(ctx, a, a_dtype, f"x86:{repack}", lambda: quants_x86.prepare(a, a_dtype, repack)) \
+            if cacheable else quants_x86.prepare(a, a_dtype, repack)
         return quants_x86.mul_mat_exact(w, a_dtype, b)
-    if not cacheable or ctx.weight_cache is None:
-        return quants.mul_mat_ggml(a, a_dtype, b)
-    weight, mins = _cached(ctx, a, a_dtype, "prepared", lambda: quants.prepare_weight(a, a_dtype))
-    return quants.mul_mat_prepared(weight, mins, a_dtype, b)
+    raise ValueError(f"mul_mat: ggml's CPU backend has no matmul for {a_dtype} weights")
 
 
 def _matmul_fast(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool) -> np.ndarray:
@@ -74,8 +78,10 @@ def _mul_mat(ctx, node, args, bindings):
     # the vec_dot_type; a non-contiguous src1 already of that type goes to vec_dot
     sgemm = b.flags.c_contiguous or _in(node, 1) != a_dtype
     out = np.empty(b_batch + (b32.shape[-2], m), dtype=f32)
+    repack_op = "mul_mat" if cacheable and math.prod(a_batch) == 1 else None   # ggml_n_dims(src0) == 2
     for idx in np.ndindex(*b_batch):
-        out[idx] = matmul_2d(ctx, a[_batch_index(idx, a_batch, b_batch)], a_dtype, b32[idx], cacheable, sgemm)
+        out[idx] = matmul_2d(ctx, a[_batch_index(idx, a_batch, b_batch)], a_dtype, b32[idx], cacheable, sgemm,
+                             repack_op)
     return out.reshape(node.type.evaluate(bindings))
 
 
@@ -91,7 +97,9 @@ def _mul_mat_id(ctx, node, args, bindings):
     for e in np.unique(ids):
         tok, slot = np.nonzero(ids == e)
         rows = b32[tok, slot % b32.shape[1]]
-        out[tok, slot] = matmul_2d(ctx, w[e], w_dtype, rows, node.inputs[0].kind == "weight")
+        weight = node.inputs[0].kind == "weight"
+        out[tok, slot] = matmul_2d(ctx, w[e], w_dtype, rows, weight,
+                                   repack_op="mul_mat_id" if weight and n_expert > 1 else None)
     return out
 
 
@@ -234,64 +242,3 @@ def _soft_max(ctx, node, args, bindings):
             total = total + ggml_math.expf(np.broadcast_to(sinks - row_max, total.shape)).astype(np.float64)
     with np.errstate(divide="ignore"):
         return e * (1.0 / total).astype(f32)
-
-
-@kernel(ops.FlashAttnExt)
-def _flash_attn(ctx, node, args, bindings):
-    """Online-softmax attention per query row, like ggml's CPU kernel (see its docstring):
-    q is rounded to k's vec_dot_type; with an f16 V the running sum is kept in f16."""
-    op = node.op
-    q, k, v = args[:3]
-    rest = list(args[3:])
-    k_dtype, v_dtype = _in(node, 1), _in(node, 2)
-    k32, v32 = to_f32(k, k_dtype), to_f32(v, v_dtype)
-    if k_dtype in (F16, BF16):
-        q = to_f32(from_f32(q, k_dtype), k_dtype)  # k's vec_dot_type
-    n_s, n_head, n_tok, _ = q.shape
-    rk, rv = n_head // k.shape[1], n_head // v.shape[1]
-    k32 = np.repeat(k32, rk, axis=1)
-    v32 = np.repeat(v32, rv, axis=1)
-    scale = f32(op.scale / op.logit_softcap) if op.logit_softcap else f32(op.scale)
-    s = np.matmul(q, np.swapaxes(k32, -1, -2)) * scale  # [S, H, T, n]
-    if op.logit_softcap:
-        s = f32(op.logit_softcap) * np.tanh(s)
-    if op.mask:
-        mask = to_f32(rest.pop(0), _in(node, 3))[..., :n_tok, :]
-        mask = np.broadcast_to(np.tile(mask, (n_s // mask.shape[0], n_head // mask.shape[1], 1, 1)), s.shape)
-        s = s + alibi_slopes(n_head, op.max_bias)[None, :, None, None] * mask
-    sinks = rest.pop(0).astype(f32) if op.sinks else None
-    out = _online_softmax_v(s, v32, f16_accumulate=(v_dtype == F16), sinks=sinks)
-    return np.ascontiguousarray(np.swapaxes(out, 1, 2))  # [S, T, H, dv]
-
-
-def _online_softmax_v(s: np.ndarray, v: np.ndarray, f16_accumulate: bool, sinks) -> np.ndarray:
-    """sum_j softmax(s)_j v_j computed cell by cell as ggml does (M, S running; VKQ in f16/f32)."""
-    n_s, n_head, n_tok, n_kv = s.shape
-    dv = v.shape[-1]
-    acc_type = np.float16 if f16_accumulate else f32
-    acc = np.zeros((n_s, n_head, n_tok, dv), dtype=acc_type)
-    run_max = np.full((n_s, n_head, n_tok, 1), -np.inf, dtype=f32)
-    run_sum = np.zeros((n_s, n_head, n_tok, 1), dtype=f32)
-    live_cols = np.nonzero(np.any(s != -np.inf, axis=(0, 1, 2)))[0]  # ggml skips -inf cells per row
-    with np.errstate(invalid="ignore", over="ignore"):
-        for j in live_cols:
-            sj = s[..., j:j + 1]
-            live = sj != -np.inf
-            new_max = live & (sj > run_max)
-            ms = np.where(new_max, np.exp(run_max - sj), f32(1)).astype(f32)
-            vs = np.where(new_max, f32(1), np.exp(sj - run_max)).astype(f32)
-            vs = np.where(live, vs, f32(0))
-            ms = np.where(live, ms, f32(1))
-            run_max = np.where(new_max, sj, run_max)
-            scaled = (acc.astype(f32) * ms).astype(acc_type)
-            acc = (scaled.astype(f32) + v[:, :, None, j, :] * vs).astype(acc_type)
-            run_sum = run_sum * ms + vs
-        acc32 = acc.astype(f32)
-        if sinks is not None:
-            sk = sinks[None, :, None, None]
-            new_max = sk > run_max
-            ms = np.where(new_max, np.exp(run_max - sk), f32(1)).astype(f32)
-            vs = np.where(new_max, f32(1), np.exp(sk - run_max)).astype(f32)
-            acc32 = acc32 * ms
-            run_sum = run_sum * ms + vs
-        return (acc32 * np.where(run_sum == 0, f32(0), f32(1) / run_sum)).astype(f32)

@@ -10,6 +10,16 @@ imported until `LibGgml.load()` is called) and runs tiny graphs:
         out = g.compute(y)                # -> numpy, same axis order as the inputs
 
 Shapes are numpy's everywhere: a numpy array [a, b, c] is the ggml tensor ne = {c, b, a, 1}.
+
+`gg.backend_graph()` runs the same kind of graph the way llama.cpp does, through ggml-backend:
+weights go to the first of the CPU device's extra buffer types (CPU_REPACK, ...) that supports
+their matmul, as llama.cpp's weight_buft_supported decides, else to the CPU buffer type; setting
+a weight there performs the repack; the graph runs with ggml_backend_graph_compute:
+
+    with gg.backend_graph() as g:
+        w = g.weight(Raw(bytes, 12, (M, K)))          # placed like a model weight; g.placement(w)
+        y = g.op("ggml_mul_mat", w, g.tensor(x))
+        out = g.compute(y, n_threads=2)
 """
 
 from __future__ import annotations
@@ -77,6 +87,29 @@ class LibGgml:
         self.base.ggml_graph_overhead.restype = ctypes.c_size_t
         self.cpu.ggml_graph_compute_with_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         self.cpu.ggml_cpu_init()
+        self._declare_backend()
+
+    def _declare_backend(self) -> None:
+        """Signatures of the ggml-backend functions the backend path calls."""
+        vp, base, cpu = ctypes.c_void_p, self.base, self.cpu
+        for fn, res, args in [
+            (cpu.ggml_backend_cpu_init, vp, []),
+            (cpu.ggml_backend_cpu_set_n_threads, None, [vp, ctypes.c_int]),
+            (base.ggml_backend_get_device, vp, [vp]),
+            (base.ggml_backend_dev_backend_reg, vp, [vp]),
+            (base.ggml_backend_reg_get_proc_address, vp, [vp, ctypes.c_char_p]),
+            (base.ggml_backend_buft_name, ctypes.c_char_p, [vp]),
+            (base.ggml_backend_cpu_buffer_type, vp, []),
+            (base.ggml_backend_buft_alloc_buffer, vp, [vp, ctypes.c_size_t]),
+            (base.ggml_backend_buffer_free, None, [vp]),
+            (base.ggml_backend_alloc_ctx_tensors_from_buft, vp, [vp, vp]),
+            (base.ggml_backend_dev_supports_op, ctypes.c_bool, [vp, TensorP]),
+            (base.ggml_backend_tensor_set, None, [TensorP, vp, ctypes.c_size_t, ctypes.c_size_t]),
+            (base.ggml_backend_tensor_get, None, [TensorP, vp, ctypes.c_size_t, ctypes.c_size_t]),
+            (base.ggml_backend_graph_compute, ctypes.c_int, [vp, vp]),
+            (base.ggml_backend_free, None, [vp]),
+        ]:
+            fn.restype, fn.argtypes = res, args
 
     @classmethod
     def load(cls) -> LibGgml | None:
@@ -90,6 +123,21 @@ class LibGgml:
 
     def graph(self, mem_bytes: int = 64 << 20) -> GgmlGraph:
         return GgmlGraph(self, mem_bytes)
+
+    def backend_graph(self) -> BackendGraph:
+        return BackendGraph(self)
+
+    def extra_bufts(self, device) -> list[int]:
+        """The CPU device's extra buffer types (ggml_backend_dev_get_extra_bufts), in priority order."""
+        reg = self.base.ggml_backend_dev_backend_reg(device)
+        proc = self.base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+        if not proc:
+            raise RuntimeError("the CPU backend does not export ggml_backend_dev_get_extra_bufts")
+        get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(proc)
+        found, array = [], get(device)
+        while array and array[len(found)]:
+            found.append(array[len(found)])
+        return found
 
 
 @dataclass(frozen=True)
@@ -174,6 +222,158 @@ class GgmlGraph:
         return read(out)
 
 
+class BackendGraph:
+    """A graph computed by the CPU backend with llama.cpp's weight placement (see the module doc).
+
+    Weights, inputs and op results live in three no_alloc contexts; `compute` allocates the
+    inputs and results in the CPU buffer type, copies the inputs in, and runs the graph."""
+
+    def __init__(self, lib: LibGgml, max_tensors: int = 64):
+        self.lib = lib
+        self.max_tensors = max_tensors
+        self._contexts: list[int] = []
+        self._buffers: list[int] = []
+        self._pending: list[tuple[TensorP, np.ndarray]] = []
+        self._placement: dict[int, str] = {}
+        self.backend = lib.cpu.ggml_backend_cpu_init()
+        if not self.backend:
+            raise RuntimeError("ggml_backend_cpu_init failed")
+        self.device = lib.base.ggml_backend_get_device(self.backend)
+        self.ctx_w = self._context(graph=False)
+        self.ctx = self._context(graph=True)
+
+    def __enter__(self) -> BackendGraph:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for buf in self._buffers:
+            self.lib.base.ggml_backend_buffer_free(buf)
+        for ctx in self._contexts:
+            self.lib.base.ggml_free(ctx)
+        if self.backend:
+            self.lib.base.ggml_backend_free(self.backend)
+        self._buffers, self._contexts, self.backend = [], [], None
+
+    def _context(self, graph: bool) -> int:
+        size = self.max_tensors * self.lib.base.ggml_tensor_overhead() + (self.lib.base.ggml_graph_overhead()
+                                                                           if graph else 0)
+        ctx = self.lib.base.ggml_init(InitParams(size, None, True))
+        if not ctx:
+            raise MemoryError("ggml_init failed for a no_alloc context")
+        self._contexts.append(ctx)
+        return ctx
+
+    @staticmethod
+    def f(x: float) -> ctypes.c_float:
+        return ctypes.c_float(x)
+
+    def _new(self, ctx: int, value: np.ndarray | Raw) -> tuple[TensorP, np.ndarray]:
+        if isinstance(value, Raw):
+            ggml_type, shape, data = value.ggml_type, value.shape, np.ascontiguousarray(value.data)
+        else:
+            data = np.ascontiguousarray(value)
+            if data.dtype not in _TYPE_OF_NUMPY:
+                raise TypeError(f"no ggml type for numpy {data.dtype}; wrap bytes in Raw")
+            ggml_type, shape = _TYPE_OF_NUMPY[data.dtype], data.shape
+        if not 1 <= len(shape) <= GGML_MAX_DIMS:
+            raise ValueError(f"ggml tensors have 1 to 4 dims, got shape {shape}")
+        ne = (ctypes.c_int64 * len(shape))(*reversed(shape))
+        t = self.lib.base.ggml_new_tensor(ctx, ggml_type, len(shape), ne)
+        nbytes = self.lib.base.ggml_nbytes(t)
+        if nbytes != data.nbytes:
+            raise ValueError(f"a type-{ggml_type} tensor of shape {shape} takes {nbytes} bytes, got {data.nbytes}")
+        return t, data
+
+    def tensor(self, value: np.ndarray | Raw) -> TensorP:
+        """An input tensor (activations, ids, a KV cache), filled when the graph is computed."""
+        t, data = self._new(self.ctx, value)
+        self._pending.append((t, data))
+        return t
+
+    def weight(self, value: Raw | np.ndarray, op: str = "mul_mat", n_expert_used: int = 1) -> TensorP:
+        """A model weight placed as llama.cpp places it for `op` ("mul_mat" or "mul_mat_id"), and set."""
+        t, data = self._new(self.ctx_w, value)
+        chosen = next((b for b in self.lib.extra_bufts(self.device) if self._supports(t, op, b, n_expert_used)),
+                      self.lib.base.ggml_backend_cpu_buffer_type())
+        buf = self.lib.base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx_w, chosen)
+        if not buf:
+            raise MemoryError(f"could not allocate a weight in {self.lib.base.ggml_backend_buft_name(chosen)}")
+        self._buffers.append(buf)
+        self.lib.base.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+        self._placement[ctypes.addressof(t.contents)] = self.lib.base.ggml_backend_buft_name(chosen).decode()
+        self.ctx_w = self._context(graph=False)   # the next weight gets its own buffer
+        return t
+
+    def placement(self, t: TensorP) -> str:
+        """The name of the buffer type a weight went to ("CPU_REPACK", "CPU", ...)."""
+        return self._placement[ctypes.addressof(t.contents)]
+
+    def _supports(self, w: TensorP, op: str, buft: int, n_expert_used: int) -> bool:
+        """llama.cpp's weight_buft_supported: the op on a dummy buffer of `buft`, asked of the device."""
+        base = self.lib.base
+        scratch = base.ggml_init(InitParams(8 * base.ggml_tensor_overhead(), None, True))
+        k = w.contents.ne[0]
+        try:
+            if op == "mul_mat":
+                b = base.ggml_new_tensor(scratch, 0, 2, (ctypes.c_int64 * 2)(k, 512))
+                fn, args = base.ggml_mul_mat, [w, b]
+            elif op == "mul_mat_id":
+                b = base.ggml_new_tensor(scratch, 0, 3, (ctypes.c_int64 * 3)(k, n_expert_used, 512))
+                ids = base.ggml_new_tensor(scratch, 26, 2, (ctypes.c_int64 * 2)(n_expert_used, 512))
+                fn, args = base.ggml_mul_mat_id, [w, b, ids]
+            else:
+                raise ValueError(f"weights are placed for mul_mat or mul_mat_id, not {op!r}")
+            fn.restype = TensorP
+            node = fn(ctypes.c_void_p(scratch), *args)
+            dummy = base.ggml_backend_buft_alloc_buffer(buft, 0)
+            w.contents.buffer = dummy
+            try:
+                return bool(base.ggml_backend_dev_supports_op(self.device, node))
+            finally:
+                w.contents.buffer = None
+                base.ggml_backend_buffer_free(dummy)
+        finally:
+            base.ggml_free(scratch)
+
+    def op(self, name: str, *args) -> TensorP:
+        fn = getattr(self.lib.base, name)
+        fn.restype = TensorP
+        out = fn(ctypes.c_void_p(self.ctx), *[_arg(a) for a in args])
+        if not out:
+            raise RuntimeError(f"{name} returned NULL")
+        return out
+
+    def compute(self, out: TensorP, n_threads: int = 2) -> np.ndarray:
+        """Allocate inputs and results in the CPU buffer type, run the graph, return `out` (contiguous)."""
+        base = self.lib.base
+        gf = base.ggml_new_graph(self.ctx)
+        base.ggml_build_forward_expand(gf, out)
+        buf = base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, base.ggml_backend_cpu_buffer_type())
+        if not buf:
+            raise MemoryError("could not allocate the graph's tensors in the CPU buffer type")
+        self._buffers.append(buf)
+        for t, data in self._pending:
+            base.ggml_backend_tensor_set(t, data.ctypes.data, 0, data.nbytes)
+        self.lib.cpu.ggml_backend_cpu_set_n_threads(self.backend, n_threads)
+        status = base.ggml_backend_graph_compute(self.backend, gf)
+        if status != 0:
+            raise RuntimeError(f"ggml_backend_graph_compute failed with status {status}")
+        c = out.contents
+        if c.type not in _NUMPY_OF_TYPE:
+            raise TypeError(f"cannot read ggml type {c.type} back as numpy")
+        n_dims = GGML_MAX_DIMS
+        while n_dims > 1 and c.ne[n_dims - 1] == 1:
+            n_dims -= 1
+        result = np.empty(tuple(c.ne[i] for i in reversed(range(n_dims))), _NUMPY_OF_TYPE[c.type])
+        if base.ggml_nbytes(out) != result.nbytes:
+            raise ValueError("compute reads back contiguous results only")
+        base.ggml_backend_tensor_get(out, result.ctypes.data, 0, result.nbytes)
+        return result
+
+
 def read(t: TensorP) -> np.ndarray:
     """A copy of a float32/float16/int32 tensor's data in numpy axis order (strides honoured)."""
     c = t.contents
@@ -200,3 +400,16 @@ def _arg(a):
     if isinstance(a, float):
         raise TypeError("pass floats as GgmlGraph.f(x): ggml builders take both float and int64 args")
     return a
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    """Both arrays hold identical float bits (want is reshaped to got); the error says how many
+    values differ and shows the first."""
+    assert got.size == want.size and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    want = want.reshape(got.shape)
+    uint = {4: np.uint32, 2: np.uint16}[got.dtype.itemsize]
+    differ = got.view(uint) != want.view(uint)
+    if np.any(differ):
+        at = tuple(int(i) for i in np.argwhere(differ)[0])
+        raise AssertionError(f"{int(differ.sum())} of {got.size} values differ; first at {at}: "
+                             f"{got[at]!r} != {want[at]!r}")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from llamir.ir import F16, F32, I32, GraphBuilder, ops, run_graph
+from llamir.testing.libggml import assert_same_bits
 
 pytestmark = pytest.mark.llama_cpp
 f32, f16 = np.float32, np.float16
@@ -60,17 +61,6 @@ def theirs(ggml, build, *arrays: np.ndarray | None, n_threads: int = 2) -> np.nd
     with ggml.graph(256 << 20) as g:
         tensors = [None if a is None else g.tensor(a) for a in arrays]
         return g.compute(build(g, *tensors), n_threads)
-
-
-def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.size == want.size and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
-    want = want.reshape(got.shape)
-    uint = np.uint32 if got.dtype == f32 else np.uint16
-    differ = got.view(uint) != want.view(uint)
-    if np.any(differ):
-        at = tuple(int(i) for i in np.argwhere(differ)[0])
-        raise AssertionError(f"{int(differ.sum())} of {got.size} values differ; first at {at}: "
-                             f"{got[at]!r} != {want[at]!r}")
 
 
 def causal_mask(n_tokens: int, n_kv: int, dtype=f32) -> np.ndarray:

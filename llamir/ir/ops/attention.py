@@ -122,7 +122,7 @@ class FlashAttnExt(Op):
     def infer(self, q: TensorType, k: TensorType, v: TensorType, *rest: TensorType) -> TensorType:
         require(q.rank == 4 and k.rank == 4 and v.rank == 4, f"expects rank-4 q, k, v; got {q}, {k}, {v}")
         require(q.dtype == F32, f"q must be f32, got {q.dtype}")
-        require(k.dtype.is_float and v.dtype.is_float or k.dtype.is_quantized,
+        require(all(t.dtype.is_float or t.dtype.is_quantized for t in (k, v)),
                 f"unsupported k/v types {k.dtype}/{v.dtype}")
         require(q.shape[-1] == k.shape[-1], f"q {q} and k {k} head sizes differ")
         require(k.shape[-2] == v.shape[-2] and k.shape[1] == v.shape[1], f"k {k} and v {v} differ")
