@@ -21,7 +21,6 @@ PROMPT = "The capital of France is Paris. Hello, world! 2024"
 
 
 def _oracle(path, **kw) -> LlamaCppOracle:
-    pytest.importorskip("llama_cpp")
     return LlamaCppOracle(path, n_ctx=128, n_batch=32, **kw)
 
 
