@@ -221,7 +221,7 @@ class Vocab:
         blob = meta[key]
         if not isinstance(blob, np.ndarray) or blob.dtype not in (np.uint8, np.int8):
             raise ValueError(f"invalid gguf type for {key}: expected an array of int8 or uint8")
-        return CharsMap(blob.tobytes()) if blob.size else None
+        return CharsMap(blob.tobytes())   # an empty one is refused, as in llama.cpp
 
     def _find_linefeed(self) -> int:
         if self.type == SPM:

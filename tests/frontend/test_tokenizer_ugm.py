@@ -147,12 +147,22 @@ def test_an_unknown_code_point_costs_the_lowest_normal_score_minus_10(tmp_path: 
     assert vocab.tokenize("\u2603a", add_special=False) == want
 
 
-def test_bad_charsmap_is_a_clear_error() -> None:
+@pytest.mark.parametrize("blob, message", [
+    (bytes(3), "precompiled_charsmap too small for xcda_blob_size header"),
+    ((100).to_bytes(4, "little") + bytes(8), "Index out of array bounds in precompiled charsmap"),
+])
+def test_a_charsmap_llama_cpp_refuses_is_a_clear_error(tmp_path: Path, blob: bytes, message: str) -> None:
+    path = write_gguf(tmp_path / "bad.gguf", ["<pad>", "</s>", "<unk>", "a"], [3, 3, 2, 1], [0.0] * 4, blob,
+                      True, True)
+    with pytest.raises(ValueError, match="Failed to load model"):
+        Oracle(path)
+    with pytest.raises(ValueError, match=message):
+        Vocab.from_file(path)
+
+
+def test_a_charsmap_of_the_wrong_type_is_a_clear_error() -> None:
     meta = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["<pad>", "</s>", "<unk>", "a"]}
     with pytest.raises(ValueError, match="too small for xcda_blob_size"):
-        Vocab.from_metadata(meta | {"tokenizer.ggml.precompiled_charsmap": np.zeros(3, np.uint8)})
-    with pytest.raises(ValueError, match="Index out of array bounds in precompiled charsmap"):
-        blob = np.frombuffer((100).to_bytes(4, "little") + bytes(8), np.uint8)
-        Vocab.from_metadata(meta | {"tokenizer.ggml.precompiled_charsmap": blob})
+        Vocab.from_metadata(meta | {"tokenizer.ggml.precompiled_charsmap": np.zeros(0, np.uint8)})
     with pytest.raises(ValueError, match="invalid gguf type for tokenizer.ggml.precompiled_charsmap"):
         Vocab.from_metadata(meta | {"tokenizer.ggml.precompiled_charsmap": np.zeros(8, np.float32)})
