@@ -18,7 +18,7 @@ import numpy as np
 
 from llamir.ir.dtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, DType
 
-f32, f64 = np.float32, np.float64
+f32 = np.float32
 EXACT_TYPES = frozenset({Q8_0.name, Q4_0.name, Q4_1.name, Q5_0.name, Q5_1.name})
 _ROW_CHUNK = 1 << 21  # elements of the [N, M, 8] lane tile processed at once
 
@@ -46,8 +46,9 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return bits
 
 
-def prepare(a_raw: np.ndarray, dtype: DType) -> PreparedWeight:
-    """Split a [M, row_bytes] weight of an exact type into lanes and scales."""
+def prepare(a_raw: np.ndarray, dtype: DType, repacked: bool = False) -> PreparedWeight:
+    """Split a [M, row_bytes] weight of an exact type into lanes and scales. `repacked`: the
+    weight sits in CPU_REPACK (a Q4_0 model weight with M % 8 == 0, see repack_x86)."""
     m_rows = a_raw.shape[0]
     blocks = np.ascontiguousarray(a_raw).reshape(m_rows, -1, dtype.type_size)
     mins = None
@@ -66,13 +67,16 @@ def prepare(a_raw: np.ndarray, dtype: DType) -> PreparedWeight:
         mins = _f16(blocks, 2)
     else:
         raise ValueError(f"no exact x86 kernel for {dtype}")
-    repacked = dtype == Q4_0 and m_rows % 8 == 0
+    if repacked and dtype != Q4_0:
+        raise ValueError(f"ggml repacks no {dtype} weights into q8_0-activation layouts on x86")
     return PreparedWeight(q.reshape(m_rows, -1, 8, 4), _f16(blocks, 0), mins, repacked)
 
 
 def _fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """f32 fused multiply-add, through f64 (a*b is exact there for these operands)."""
-    return (a.astype(f64) * b + c).astype(f32)
+    """f32 fused multiply-add with one rounding (vfmadd)."""
+    from llamir.ir.ggml_math import fma
+
+    return fma(a, b, c)
 
 
 def _hsum8(acc: np.ndarray) -> np.ndarray:
