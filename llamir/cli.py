@@ -308,7 +308,10 @@ def cmd_tokenize(args) -> int:
         model = load_model(_model_path(args.model), vocab_only=True)
     except ModelError as err:
         raise CliError(str(err)) from None
-    text = args.text.encode("utf-8", "surrogateescape")   # the argument's bytes, even if not UTF-8
+    try:
+        text = args.text.encode("utf-8", "surrogateescape")   # the argument's bytes, even if not UTF-8
+    except UnicodeEncodeError:
+        text = args.text.encode("utf-8", "surrogatepass")     # lone surrogates given in-process
     try:
         tokens = model.vocab.tokenize(text, add_special=not args.no_bos, parse_special=not args.no_parse_special)
     except ValueError as err:
