@@ -98,7 +98,8 @@ class UgmTokenizer:
     user-defined matcher that protects those tokens from normalization, and the scores.
 
     `attrs` is the vocab's own attribute list: llama.cpp builds the matchers from the attributes
-    the file gives, but asks whether a matched token is user-defined when it tokenizes."""
+    the file gives, but asks whether a matched token is user-defined when it tokenizes. No GGUF key
+    sets treat_whitespace_as_suffix in llama.cpp (it is always false there), so Vocab never does."""
 
     def __init__(self, token_bytes: Sequence[bytes], scores: Sequence[float], attrs: list[int],
                  charsmap: CharsMap | None, unk: int, *, escape_whitespaces: bool, add_space_prefix: bool,

@@ -18,7 +18,8 @@ from tokenizer_fixtures import Oracle, VocabFilesUnavailable, vocab_path
 
 from llamir.frontend.gguf_file import read_metadata
 from llamir.frontend.vocab import Vocab
-from llamir.frontend.vocab_ugm import CharsMap
+from llamir.frontend.vocab_special import ATTR_NORMAL
+from llamir.frontend.vocab_ugm import CharsMap, UgmTokenizer
 
 pytestmark = pytest.mark.llama_cpp
 
@@ -166,3 +167,17 @@ def test_a_charsmap_of_the_wrong_type_is_a_clear_error() -> None:
         Vocab.from_metadata(meta | {"tokenizer.ggml.precompiled_charsmap": np.zeros(0, np.uint8)})
     with pytest.raises(ValueError, match="invalid gguf type for tokenizer.ggml.precompiled_charsmap"):
         Vocab.from_metadata(meta | {"tokenizer.ggml.precompiled_charsmap": np.zeros(8, np.float32)})
+
+
+@pytest.mark.parametrize("suffix, prefix, merge, want", [
+    (False, True, False, "\u2581a\u2581\u2581b\u2581"),
+    (True, True, False, "a\u2581\u2581b\u2581\u2581"),      # the dummy space goes after the text
+    (True, False, False, "a\u2581\u2581b\u2581"),
+    (True, True, True, "\u2581a\u2581b\u2581"),             # merging puts a space before every word
+    (False, False, True, "\u2581a\u2581b"),
+])
+def test_whitespace_options_as_llama_cpps_normalize(suffix: bool, prefix: bool, merge: bool, want: str) -> None:
+    """llm_tokenizer_ugm_session::normalize by hand on "a  b ", with no charsmap."""
+    tok = UgmTokenizer([b"a", b"b"], [-1.0, -1.0], [ATTR_NORMAL] * 2, None, 0, escape_whitespaces=True,
+                       add_space_prefix=prefix, remove_extra_whitespaces=merge, treat_whitespace_as_suffix=suffix)
+    assert tok.normalize(b"a  b ") == want.encode()
