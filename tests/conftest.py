@@ -1,8 +1,9 @@
-"""Generic test helpers: the `nmse` error measure and golden-text files.
+"""Generic test helpers: the `nmse` error measure, golden-text files and the conformance models.
 
-    def test_x(nmse, golden):
+    def test_x(nmse, golden, conformance_model):
         assert nmse(got, want) < 1e-12
         golden("x.ir", text)            # pytest --update-golden rewrites tests/golden/x.ir
+        path = conformance_model(case)  # a llamir.testing.conformance Case's GGUF, written once
 """
 
 from __future__ import annotations
@@ -61,3 +62,13 @@ def golden(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
             pytest.fail(f"output differs from golden/{name} (pytest --update-golden rewrites it):\n{diff}")
 
     return check
+
+
+@pytest.fixture(scope="session")
+def conformance_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[object], pathlib.Path]:
+    """case -> the GGUF of a llamir.testing.conformance Case, written once per session, so the
+    reference and LLVM suites (and their memoised logits) share the same files."""
+    from llamir.testing.conformance import case_model
+
+    root = tmp_path_factory.mktemp("conformance")
+    return lambda case: case_model(root, case)

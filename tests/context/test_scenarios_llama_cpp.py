@@ -1,5 +1,9 @@
 """Scripted batch and memory scenarios, played on llamir and on llama.cpp's low-level API with the
-same random-weight GGUF: every decode's logits and every seq_pos_* answer must agree."""
+same random-weight GGUF: every decode's logits (bit for bit) and every seq_pos_* answer must agree.
+
+Every scenario runs on the numpy reference and on the LLVM backend (both with the oracle build's
+numerics profile), on a llama and on a gemma3 (iSWA: a window of 8 on layer 0, layer 1 global).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,41 @@ import numpy as np
 import pytest
 
 import llamir
+from llamir.backends.llvm import LLVMBackend
 from llamir.frontend.synth import SynthSpec, write_model
+from llamir.testing.conformance import make_context
+from llamir.testing.llama_cpp import LlamaCppOracle, oracle_numerics
 
 pytestmark = pytest.mark.llama_cpp
-oracle_mod = pytest.importorskip("llamir.testing.llama_cpp")
-pytest.importorskip("llama_cpp")
+
+MODELS = {
+    "llama": SynthSpec(arch="llama", n_layer=2, dtype="q8_0", n_head_kv=2),
+    "gemma3": SynthSpec(arch="gemma3", n_layer=2, dtype="q8_0", n_head_kv=2, sliding_window=8, swa_pattern=2),
+}
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("scenarios") / "m.gguf",
-                       SynthSpec(arch="llama", n_layer=2, dtype="q8_0", n_head_kv=2))
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_path(request, tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("scenarios") / f"{request.param}.gguf", MODELS[request.param])
+
+
+@pytest.fixture(scope="module", params=["numpy", "llvm"])
+def backend(request):
+    if request.param == "numpy":
+        yield "numpy"
+        return
+    llvm = LLVMBackend(n_threads=2, disk_cache=False, numerics=oracle_numerics())
+    yield llvm
+    llvm.close()
 
 
 class Pair:
     """The same calls on llamir and llama.cpp, checked as they go."""
 
-    def __init__(self, model_path, **params):
+    def __init__(self, model_path, backend, **params):
         p = {"n_ctx": 512, "n_batch": 64, "n_ubatch": 64, "n_seq_max": 1, "kv_unified": False, **params}
-        self.ctx = llamir.Context(llamir.load_model(model_path), flash_attn="off", **p)
-        self.oracle = oracle_mod.LlamaCppOracle(model_path, **p)
+        self.ctx = make_context(llamir.load_model(model_path), backend, flash_attn="off", **p)
+        self.oracle = LlamaCppOracle(model_path, **p)
         self.n_seq_max = p["n_seq_max"]
 
     def close(self):
@@ -56,11 +75,11 @@ class Pair:
 
 
 @pytest.fixture
-def pair_factory(model_path):
+def pair_factory(model_path, backend):
     pairs = []
 
     def make(**params):
-        pairs.append(Pair(model_path, **params))
+        pairs.append(Pair(model_path, backend, **params))
         return pairs[-1]
 
     yield make
