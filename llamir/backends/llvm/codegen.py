@@ -89,7 +89,7 @@ def kernel_module(kernel: Kernel, target: Target) -> ir.Module:
     fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
     fn = ir.Function(module, fnty, kernel_symbol(kernel))
     args = list(fn.args)
-    em = Emitter(module, fn, target)
+    em = Emitter(module, fn, target, kernel.numerics)
     rt = iter(args[2 + kernel.n_ptrs:-1])
     ints: list[Val] = [p if p is not None else next(rt) for p in kernel.pattern]
     kargs = KernelArgs(em.b.zext(args[0], I64), em.b.zext(args[1], I64), args[2:2 + kernel.n_ptrs], ints,

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import llvmlite.ir as ir
 
 from llamir.backends.llvm.target import Target
+from llamir.ir.numerics import AVX512, Numerics
 
 I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32, F64 = ir.HalfType(), ir.FloatType(), ir.DoubleType()
@@ -38,10 +39,11 @@ def _tname(t: ir.Type) -> str:
 class Emitter:
     """Builds one function's body."""
 
-    def __init__(self, module: ir.Module, fn: ir.Function, target: Target):
+    def __init__(self, module: ir.Module, fn: ir.Function, target: Target, numerics: Numerics = AVX512):
         self.module = module
         self.fn = fn
         self.target = target
+        self.numerics = numerics   # whose arithmetic the body reproduces (llamir.ir.numerics)
         self._entry = fn.append_basic_block("entry")
         self._body = fn.append_basic_block("body")
         self.b = ir.IRBuilder(self._body)

@@ -113,6 +113,7 @@ class Lowerer:
         def buf(x):
             return x.buf if isinstance(x, Ref) else x
 
+        kernel.numerics = self.numerics
         s = Step(kernel, list(ptrs), [buf(r) for r in reads], [buf(w) for w in writes], part,
                  [p for p in read_parts if p is not None], node if node is not None else self.current)
         self.plan.steps.append(s)

@@ -22,6 +22,7 @@ from llamir.backends.llvm import expr as E
 from llamir.backends.llvm.expr import Expr
 from llamir.ir import Node, ops
 from llamir.ir.dtypes import DType
+from llamir.ir.numerics import AVX512, Numerics
 
 ALIGN = 64
 
@@ -117,6 +118,7 @@ class Kernel(ABC):
     run-time arguments."""
 
     n_ptrs: int = 0
+    numerics: Numerics = AVX512     # the profile the code reproduces (set by the lowering, part of the key)
 
     def __init__(self, ints: Sequence[Expr] = ()):
         self.ints = tuple(ints)
@@ -130,7 +132,7 @@ class Kernel(ABC):
         return tuple(v if isinstance(v, int) else None for v in self.ints)
 
     def key(self) -> tuple:
-        return (type(self).__name__, self.config(), self.n_ptrs, self.pattern)
+        return (type(self).__name__, self.config(), self.n_ptrs, self.pattern, self.numerics.name)
 
     @abstractmethod
     def emit(self, em, args) -> None:

@@ -1,15 +1,21 @@
-"""flash_attn_ext as ggml's CPU backend computes it, in its two forms.
+"""flash_attn_ext as ggml's CPU backend computes it, in its three forms (ir/interp_attention.py
+is the reference, in the same numerics profile).
 
-- Fewer than 64 query rows (token generation, small batches): online softmax cell by cell
-  (ggml_compute_forward_flash_attn_ext_f16_one_chunk). q is rounded to K's type for the
-  scores (ggml_vec_dot_f16/f32), cells whose mask is -inf are skipped, M and S are updated with
-  glibc's expf, V accumulates in f16 when V is f16 (vec_scale_f16 / vec_mad_f16). Here the heads
-  of one token are walked together, cell by cell, so the KV cache is read row by row.
-- 64 rows or more (prompts): ggml's tiled kernel (ggml_compute_forward_flash_attn_ext_tiled):
+- Fewer than 64 query rows, or quantized / mixed K and V: online softmax cell by cell
+  (ggml_compute_forward_flash_attn_ext_f16_one_chunk). q is rounded to K's type for the scores
+  (ggml_vec_dot_f16/f32 in the profile's lanes; a quantized K's scores come precomputed by the
+  quantized matmul, which quantizes q and dots as ggml's kq_vec_dot does); the score is
+  fma(dot, scale, slope*mask); cells whose mask is -inf are skipped; M and S are updated with
+  glibc's expf; V accumulates in f16 when V is f16 (vec_scale_f16 / vec_mad_f16). The heads of
+  one token are walked together, cell by cell, so the KV cache is read row by row.
+- 64 rows or more of f16/f32 K = V: ggml's tiled kernel (ggml_compute_forward_flash_attn_ext_tiled):
   64-query x 64-cell tiles, q in f32, scores and V products as sequential fma chains (simd_gemm),
-  each tile's softmax with ggml_vec_soft_max_f32, all in f32.
+  each tile's softmax with ggml_vec_soft_max_f32 (the profile's vectors), all in f32.
+- One query row of f16/f32 K = V over 512+ cells: the cells are cut into one chunk per thread,
+  each thread's partial (M, S, VKQ) written to a shared buffer, and FlashAttnReduce combines them
+  in chunk order (ggml_flash_attn_ext_reduce_partials) after the barrier.
 
-y[s, t, h, :] = VKQ / S (ggml's permuted output); sinks join at the end.
+y[s, t, h, :] = VKQ / S (ggml's permuted output); sinks join at the end (chunk 0's partial).
 """
 
 from __future__ import annotations
@@ -18,47 +24,13 @@ import llvmlite.ir as ir
 
 from llamir.backends.llvm import vmath
 from llamir.backends.llvm.emit import F32, F64, I1, Emitter, storage_type, vec
+from llamir.backends.llvm.kernels.matmul_float import vec_dot_rows
 from llamir.backends.llvm.kernels.rows import _const_table
 from llamir.backends.llvm.plan import Kernel, Ref
 
-LANES = 16
+LANES = 16         # width of element-wise row updates (any width gives the same bits)
 TILE = 64          # GGML_FA_TILE_Q and GGML_FA_TILE_KV
-
-
-def vec_dot(em: Emitter, a_ptr, a_dtype: str, b_ptr, b_dtype: str, K, a_step: int, b_step: int):
-    """ggml_vec_dot_f16/f32 of two rows: four 16-lane fma accumulators over 64-wide steps, summed
-    (0+2)+(1+3) and reduced, then the leftovers (a double for f16; for f32 rounded products, then
-    fmas for the last K % 8)."""
-    b = em.b
-    zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
-    accs = [em.var(vec(F32, LANES), zero) for _ in range(4)]
-    main = em.mul(em.div(K, 64), 64)
-    aty, bty = storage_type(a_dtype), storage_type(b_dtype)
-    with em.loop(0, main, 64, name="k64") as k:
-        for q in range(4):
-            col = em.add(k, 16 * q)
-            av = em.to_f32(em.load(vec(aty, LANES), a_ptr, em.mul(col, a_step)), a_dtype)
-            bv = em.to_f32(em.load(vec(bty, LANES), b_ptr, em.mul(col, b_step)), b_dtype)
-            em.set(accs[q], em.fma(av, bv, em.get(accs[q])))
-    s = [em.get(x) for x in accs]
-    total = em.reduce_add_tree(b.fadd(b.fadd(s[0], s[2]), b.fadd(s[1], s[3])))
-
-    def elem(ptr, ty, dt, step, i):
-        return em.to_f32(em.load(ty, ptr, em.mul(i, step)), dt)
-
-    if a_dtype == "f32":
-        acc = em.var(F32, total)
-        fused_from = em.sub(K, em.rem(K, 8))
-        with em.loop(main, K, name="left") as i:
-            x, y = elem(a_ptr, aty, a_dtype, a_step, i), elem(b_ptr, bty, b_dtype, b_step, i)
-            plain = b.fadd(em.get(acc), b.fmul(x, y))
-            em.set(acc, b.select(em.icmp("<", i, fused_from), plain, em.fma(x, y, em.get(acc))))
-        return em.get(acc)
-    acc = em.var(F64, b.fpext(total, F64))
-    with em.loop(main, K, name="left") as i:
-        p = b.fmul(elem(a_ptr, aty, a_dtype, a_step, i), elem(b_ptr, bty, b_dtype, b_step, i))
-        em.set(acc, b.fadd(em.get(acc), b.fpext(p, F64)))
-    return b.fptrunc(em.get(acc), F32)
+SPLIT_KV_MIN = 512 # cells from which a one-row decode splits them over the threads
 
 
 def chunked(em: Emitter, n, body) -> None:
@@ -109,44 +81,60 @@ def scratch_bytes(H, DK, DV) -> tuple:
 
 
 class FlashAttn(Kernel):
-    """y [S, T, H, dv] from q [S, H, T, dk], k [S, Hkv, n, dk], v [S, Hkv, n, dv], mask, sinks."""
+    """y [S, T, H, dv] from q [S, H, T, dk], k [S, Hkv, n, dk], v [S, Hkv, n, dv], mask, sinks;
+    `scores` [S, H, T, n] f32 (the raw dots of a quantized K), `partials` (the split-KV buffer)."""
 
-    def __init__(self, y: Ref, q: Ref, k: Ref, v: Ref, mask: Ref | None, sinks: Ref | None, scale: float,
-                 softcap: float, alibi: tuple[float, ...] | None):
+    def __init__(self, y: Ref, q: Ref, k: Ref, v: Ref, mask: Ref | None, sinks: Ref | None, scores: Ref | None,
+                 split: bool, scale: float, softcap: float, alibi: tuple[float, ...] | None):
         self.dtypes = (q.dtype.name, k.dtype.name, v.dtype.name, mask.dtype.name if mask is not None else "")
         self.scale = float(scale / softcap) if softcap else float(scale)
         self.softcap = float(softcap)
         self.alibi = alibi
-        self.has_mask, self.has_sinks = mask is not None, sinks is not None
+        self.has_mask, self.has_sinks, self.has_scores, self.split = mask is not None, sinks is not None, \
+            scores is not None, split
         ints = list(q.shape) + list(q.strides[:3]) + list(k.shape[1:3]) + list(k.strides[:3]) \
             + [v.shape[3]] + list(v.strides[:3]) + list(y.strides[:3])
         if mask is not None:
             m = mask.padded()
             ints += list(m.shape[:2]) + list(m.strides)
-        self.n_ptrs = 5 + int(self.has_mask) + int(self.has_sinks)
+        if scores is not None:
+            ints += list(scores.strides[:3])
+        self.n_ptrs = 5 + int(self.has_mask) + int(self.has_sinks) + int(self.has_scores) + int(split)
         super().__init__(ints)
 
     def config(self) -> tuple:
-        return (self.dtypes, self.scale, self.softcap, self.alibi, self.has_mask, self.has_sinks)
+        return (self.dtypes, self.scale, self.softcap, self.alibi, self.has_mask, self.has_sinks, self.has_scores,
+                self.split)
 
     def emit(self, em: Emitter, a) -> None:
         ints = a.ints
         d = {"S": ints[0], "H": ints[1], "T": ints[2], "DK": ints[3], "qs": ints[4:7], "hkv": ints[7],
              "n_kv": ints[8], "ks": ints[9:12], "DV": ints[12], "vs": ints[13:16], "ys": ints[16:19]}
+        at = 19
         if self.has_mask:
-            d["msh"], d["mst"] = ints[19:21], ints[21:25]
-        self.p = {"y": a.ptrs[0], "q": a.ptrs[1], "k": a.ptrs[2], "v": a.ptrs[3], "scratch": a.ptrs[4],
-                  "mask": a.ptrs[5] if self.has_mask else None, "sinks": a.ptrs[-1] if self.has_sinks else None}
+            d["msh"], d["mst"] = ints[at:at + 2], ints[at + 2:at + 6]
+            at += 6
+        if self.has_scores:
+            d["ss"] = ints[at:at + 3]
+        ptrs = iter(a.ptrs)
+        self.p = {name: next(ptrs) for name in ("y", "q", "k", "v", "scratch")}
+        for name, present in (("mask", self.has_mask), ("sinks", self.has_sinks), ("scores", self.has_scores),
+                              ("partials", self.split)):
+            self.p[name] = next(ptrs) if present else None
         self.d = d
         _, k_dt, v_dt, _ = self.dtypes
-        if k_dt == v_dt and k_dt in ("f16", "f32"):
-            with em.if_else(em.icmp(">=", d["T"], TILE)) as (then, otherwise):
-                with then:
-                    self._tiled(em, a)
-                with otherwise:
-                    self._rows(em, a)
-        else:
+        if not (k_dt == v_dt and k_dt in ("f16", "f32")):
             self._rows(em, a)
+            return
+        with em.if_else(split_kv(em, d)) as (split, other):
+            with split:
+                self._split_partials(em, a)
+            with other:
+                with em.if_else(em.icmp(">=", d["T"], TILE)) as (then, otherwise):
+                    with then:
+                        self._tiled(em, a)
+                    with otherwise:
+                        self._rows(em, a)
 
     # -- helpers --------------------------------------------------------------------------------
     def _slope(self, em: Emitter, h):
@@ -171,16 +159,23 @@ class FlashAttn(Kernel):
         kh = em.div(h, em.div(d["H"], d["hkv"]))
         return em.gep(self.p[which], em.offset((s, kh, c), st[:3]))
 
-    def _finish_row(self, em: Emitter, acc_ptr, acc_dt: str, M, S, s, t, h) -> None:
+    def _sinks(self, em: Emitter, M, S, h, fused: bool):
+        """The sink logit joins after the cells: (M, S, the factor for the accumulator or None).
+        S*ms + vs is one fma in the tiled kernel, two roundings in one_chunk (as GCC compiled them)."""
+        b = em.b
+        if self.p["sinks"] is None:
+            return M, S, None
+        sk = em.load(F32, self.p["sinks"], em.mul(h, 4))
+        big = b.fcmp_ordered(">", sk, M)
+        ms = b.select(big, vmath.expf(em, b.fsub(M, sk)), em.f32(1.0))
+        vsk = b.select(big, em.f32(1.0), vmath.expf(em, b.fsub(sk, M)))
+        S = em.fma(S, ms, vsk) if fused else b.fadd(b.fmul(S, ms), vsk)
+        return b.select(big, sk, M), S, ms
+
+    def _finish_row(self, em: Emitter, acc_ptr, acc_dt: str, M, S, s, t, h, fused_sinks: bool) -> None:
         """Sinks, 1/S, store y[s, t, h, :] (f32)."""
         b, d = em.b, self.d
-        total, ms = S, None
-        if self.p["sinks"] is not None:
-            sk = em.load(F32, self.p["sinks"], em.mul(h, 4))
-            big = b.fcmp_ordered(">", sk, M)
-            ms = b.select(big, vmath.expf(em, b.fsub(M, sk)), em.f32(1.0))
-            vsk = b.select(big, em.f32(1.0), vmath.expf(em, b.fsub(sk, M)))
-            total = b.fadd(b.fmul(total, ms), vsk)
+        _, total, ms = self._sinks(em, M, S, h, fused_sinks)
         inv = b.select(b.fcmp_ordered("==", total, em.f32(0.0)), em.f32(0.0), b.fdiv(em.f32(1.0), total))
         ys = d["ys"]
         yrow = em.gep(self.p["y"], em.offset((s, t, h), ys[:3]))
@@ -194,68 +189,127 @@ class FlashAttn(Kernel):
         chunked(em, d["DV"], body)
 
     # -- fewer than 64 rows: the heads of a token together, cell by cell ----------------------------------
-    def _rows(self, em: Emitter, a) -> None:
+    def _buffers(self, em: Emitter):
+        """Per-thread scratch of the cell loop: q rows (in K's vec_dot type), accumulators, M, S."""
         d = self.d
-        _, k_dt, v_dt, _ = self.dtypes
-        S_, H, T, DK, DV = d["S"], d["H"], d["T"], d["DK"], d["DV"]
-        acc_dt = "f16" if v_dt == "f16" else "f32"
-        qv_dt = "f16" if k_dt == "f16" else "f32"
-        self._kq_buf = self._vq_buf = None
-        # rows ordered (s, t, h): a thread's range is whole or partial head groups of tokens
-        rows = em.mul(em.mul(S_, T), H)
-        r0, r1 = em.split(rows, a.ith, a.nth)
-        groups0, groups1 = em.div(r0, H), em.cdiv(r1, H)
+        H, DK, DV = d["H"], d["DK"], d["DV"]
         sc = self.p["scratch"]
         qbuf = sc                                                   # [H][DK] as qv_dt
         accbuf = em.gep(sc, em.mul(em.mul(H, DK), 4))               # [H][DV] as acc_dt
         mbuf = em.gep(accbuf, em.mul(em.mul(H, DV), 4))             # M[H], S[H] f32
         sbuf = em.gep(mbuf, em.mul(H, 4))
-        if _quantized(k_dt):                                        # dequantised K / V rows
-            self._kq_buf = em.gep(sbuf, em.mul(H, 4))
-        if _quantized(v_dt):
-            self._vq_buf = em.gep(sbuf, em.add(em.mul(H, 4), em.mul(DK, 4)))
+        self._vq_buf = em.gep(sbuf, em.add(em.mul(H, 4), em.mul(DK, 4))) if _quantized(self.dtypes[2]) else None
+        return qbuf, accbuf, mbuf, sbuf
+
+    def _acc_dt(self) -> str:
+        return "f16" if self.dtypes[2] == "f16" else "f32"
+
+    def _qv_dt(self) -> str:
+        return "f16" if self.dtypes[1] == "f16" else "f32"
+
+    def _init_heads(self, em: Emitter, s, t, h0, h1, bufs) -> None:
+        d = self.d
+        qbuf, accbuf, mbuf, sbuf = bufs
+        DK, DV = d["DK"], d["DV"]
+        qv_dt, acc_dt = self._qv_dt(), self._acc_dt()
+        with em.loop(h0, h1, name="init") as h:
+            if not self.has_scores:
+                qrow = em.gep(self.p["q"], em.offset((s, h, t), d["qs"][:3]))
+                qdst = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
+                chunked(em, DK, lambda i, lanes, qrow=qrow, qdst=qdst: _vstore(
+                    em, _vload(em, qrow, i, "f32", lanes), qdst, i, qv_dt))
+            arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
+            zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+            chunked(em, DV, lambda i, lanes, arow=arow: _vstore(
+                em, zero if lanes else em.f32(0.0), arow, i, acc_dt))
+            em.store(em.f32(float("-inf")), mbuf, em.mul(h, 4))
+            em.store(em.f32(0.0), sbuf, em.mul(h, 4))
+
+    def _rows(self, em: Emitter, a) -> None:
+        d = self.d
+        S_, H, T, DV = d["S"], d["H"], d["T"], d["DV"]
+        acc_dt = self._acc_dt()
+        # rows ordered (s, t, h): a thread's range is whole or partial head groups of tokens
+        rows = em.mul(em.mul(S_, T), H)
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        groups0, groups1 = em.div(r0, H), em.cdiv(r1, H)
+        bufs = self._buffers(em)
+        _, accbuf, mbuf, sbuf = bufs
         with em.loop(groups0, groups1, name="tok") as g:
             t = em.rem(g, T)
             s = em.div(g, T)
             h0 = em.max(em.sub(r0, em.mul(g, H)), 0)
             h1 = em.min(em.sub(r1, em.mul(g, H)), H)
-            with em.loop(h0, h1, name="init") as h:
-                qrow = em.gep(self.p["q"], em.offset((s, h, t), d["qs"][:3]))
-                qdst = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
-                chunked(em, DK, lambda i, lanes, qrow=qrow, qdst=qdst: _vstore(
-                    em, _vload(em, qrow, i, "f32", lanes), qdst, i, qv_dt))
-                arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
-                zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
-                chunked(em, DV, lambda i, lanes, arow=arow: _vstore(
-                    em, zero if lanes else em.f32(0.0), arow, i, acc_dt))
-                em.store(em.f32(float("-inf")), mbuf, em.mul(h, 4))
-                em.store(em.f32(0.0), sbuf, em.mul(h, 4))
+            self._init_heads(em, s, t, h0, h1, bufs)
             with em.loop(0, d["n_kv"], name="cell") as c:
                 with em.loop(h0, h1, name="head") as h:
-                    self._cell(em, s, t, h, c, qbuf, accbuf, mbuf, sbuf, qv_dt, acc_dt)
+                    self._cell(em, s, t, h, c, bufs)
             with em.loop(h0, h1, name="fin") as h:
                 arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
                 self._finish_row(em, arow, acc_dt, em.load(F32, mbuf, em.mul(h, 4)),
-                                 em.load(F32, sbuf, em.mul(h, 4)), s, t, h)
+                                 em.load(F32, sbuf, em.mul(h, 4)), s, t, h, fused_sinks=False)
 
-    def _cell(self, em: Emitter, s, t, h, c, qbuf, accbuf, mbuf, sbuf, qv_dt: str, acc_dt: str) -> None:
+    def _split_partials(self, em: Emitter, a) -> None:
+        """This thread's chunk of the cells for every head of the one query row: (M, S, VKQ as f32)
+        into partials[ith][h], sinks in chunk 0 (ggml's one_chunk with partials)."""
         b, d = em.b, self.d
-        _, k_dt, v_dt, _ = self.dtypes
-        DK, DV = d["DK"], d["DV"]
+        H, DV = d["H"], d["DV"]
+        acc_dt = self._acc_dt()
+        chunk = em.cdiv(d["n_kv"], a.nth)
+        c0 = em.mul(a.ith, chunk)
+        c1 = em.min(em.add(c0, chunk), d["n_kv"])
+        bufs = self._buffers(em)
+        _, accbuf, mbuf, sbuf = bufs
+        zero = em.i64(0)
+        self._init_heads(em, zero, zero, 0, H, bufs)
+        with em.loop(c0, c1, name="cell") as c:
+            with em.loop(0, H, name="head") as h:
+                self._cell(em, zero, zero, h, c, bufs)
+        with em.loop(0, H, name="part") as h:
+            M, S = em.load(F32, mbuf, em.mul(h, 4)), em.load(F32, sbuf, em.mul(h, 4))
+            ms = None
+            if self.p["sinks"] is not None:
+                first = em.icmp("==", a.ith, 0)
+                M2, S2, ms2 = self._sinks(em, M, S, h, fused=False)
+                M, S, ms = b.select(first, M2, M), b.select(first, S2, S), b.select(first, ms2, em.f32(1.0))
+            part = em.gep(self.p["partials"], em.mul(em.add(em.mul(a.ith, H), h), em.mul(em.add(DV, 2), 4)))
+            em.store(M, part, 0)
+            em.store(S, part, 4)
+            arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
+
+            def body(i, lanes, arow=arow, part=part, ms=ms):
+                x = _vload(em, arow, i, acc_dt, lanes)
+                if ms is not None:
+                    x = b.fmul(x, em.splat(ms, lanes) if lanes else ms)
+                _vstore(em, x, em.gep(part, 8), i, "f32")
+
+            chunked(em, DV, body)
+
+    def _score(self, em: Emitter, s, t, h, c, qbuf):
+        """The raw dot of K row c with q (kq_vec_dot), as f32."""
+        d = self.d
+        if self.has_scores:
+            return em.load(F32, self.p["scores"], em.add(em.offset((s, h, t), d["ss"]), em.mul(c, 4)))
+        krow = self._kv_row(em, "k", s, h, c)
+        k_dt, qv_dt = self.dtypes[1], self._qv_dt()
+        qrow = em.gep(qbuf, em.mul(em.mul(h, d["DK"]), _size(qv_dt)))
+        return vec_dot_rows(em, [krow], k_dt, qrow, qv_dt, d["DK"], _size(k_dt), _size(qv_dt))[0]
+
+    def _cell(self, em: Emitter, s, t, h, c, bufs) -> None:
+        b, d = em.b, self.d
+        qbuf, accbuf, mbuf, sbuf = bufs
+        v_dt = self.dtypes[2]
+        acc_dt = self._acc_dt()
+        DV = d["DV"]
         mv = em.f32(0.0)
         if self.p["mask"] is not None:
             mv = self._mask_value(em, self._mask_row(em, s, h, t), c, self._slope(em, h))
         with em.if_(b.fcmp_ordered("!=", mv, em.f32(float("-inf")))):
-            krow = self._kv_row(em, "k", s, h, c)
-            qrow = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
-            kdt = k_dt
-            if _quantized(k_dt):
-                _dequant_row(em, k_dt, krow, self._kq_buf, DK)
-                krow, kdt = self._kq_buf, "f32"
-            sc = b.fmul(vec_dot(em, krow, kdt, qrow, qv_dt, DK, _size(kdt), _size(qv_dt)), em.f32(self.scale))
+            dot = self._score(em, s, t, h, c, qbuf)
             if self.softcap:
-                sc = b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", sc))
-            sc = b.fadd(sc, mv)
+                sc = b.fadd(b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", b.fmul(dot, em.f32(self.scale)))), mv)
+            else:   # s = s*scale; s += mv: one fma, as GCC compiled it
+                sc = em.fma(dot, em.f32(self.scale), mv)
             m_old = em.load(F32, mbuf, em.mul(h, 4))
             arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
             ms = em.var(F32, em.f32(1.0))
@@ -280,7 +334,7 @@ class FlashAttn(Kernel):
                 _vload(em, vrow, i, vdt, lanes), em.splat(w, lanes) if lanes else w,
                 _vload(em, arow, i, acc_dt, lanes)), arow, i, acc_dt))
             old = em.load(F32, sbuf, em.mul(h, 4))
-            em.store(b.fadd(b.fmul(old, em.get(ms)), w), sbuf, em.mul(h, 4))
+            em.store(em.fma(old, em.get(ms), w), sbuf, em.mul(h, 4))
 
     # -- 64 rows or more: ggml's tiles ------------------------------------------------------------------------
     def _tiled(self, em: Emitter, a) -> None:
@@ -322,7 +376,7 @@ class FlashAttn(Kernel):
                     self._tile(em, s, h, c0, kvt, rows, Q, Kt, KQ, MK, V32, VKQ, Mb, Sb, kv_dt)
             with em.loop(0, rows, name="out") as i:
                 self._finish_row(em, em.gep(VKQ, em.mul(em.mul(i, DV), 4)), "f32", em.load(F32, Mb, em.mul(i, 4)),
-                                 em.load(F32, Sb, em.mul(i, 4)), s, em.add(t0, i), h)
+                                 em.load(F32, Sb, em.mul(i, 4)), s, em.add(t0, i), h, fused_sinks=True)
 
     def _tile_mask(self, em: Emitter, MK, s, h, t0, rows, c0, kvt, slope) -> ir.Value:
         """mask32 = slope*mask for the tile (-inf past the last cell); whether any is live."""
@@ -420,10 +474,11 @@ class FlashAttn(Kernel):
                         em.store(b.fmul(em.load(F32, Sb, em.mul(i, 4)), ms), Sb, em.mul(i, 4))
                     em.store(m_new, Mb, em.mul(i, 4))
                     total = em.var(F64, ir.Constant(F64, 0.0))
-                    mvec = em.splat(m_new, LANES)
-                    for r in range(TILE // LANES):
-                        e = vmath.v_expf(em, b.fsub(em.load(vt, row, r * LANES * 4), mvec))
-                        em.store(e, row, r * LANES * 4)
+                    lanes = vmath.lanes(em)          # ggml_vec_soft_max_f32's vectors
+                    mvec = em.splat(m_new, lanes)
+                    for r in range(TILE // lanes):
+                        e = vmath.v_expf(em, b.fsub(em.load(vec(F32, lanes), row, r * lanes * 4), mvec))
+                        em.store(e, row, r * lanes * 4)
                         em.set(total, b.fadd(em.get(total), b.fpext(em.reduce_add_tree(e), F64)))
                     old = b.fpext(em.load(F32, Sb, em.mul(i, 4)), F64)
                     em.store(b.fptrunc(b.fadd(old, em.get(total)), F32), Sb, em.mul(i, 4))
@@ -479,3 +534,57 @@ class FlashAttn(Kernel):
             pv_rows(i, group)
         with em.loop(full, rows, name="vi1") as i:
             pv_rows(i, 1)
+
+
+def split_kv(em: Emitter, d: dict) -> ir.Value:
+    """Whether ggml splits the cells over the threads: one query row, one stream, 512+ cells."""
+    b = em.b
+    one = b.and_(em.icmp("==", d["T"], 1), em.icmp("==", d["S"], 1))
+    return b.and_(one, em.icmp(">=", d["n_kv"], SPLIT_KV_MIN))
+
+
+class FlashAttnReduce(Kernel):
+    """After a split-KV FlashAttn: each thread combines the partials of some heads in chunk order
+    (ggml_flash_attn_ext_reduce_partials) into y [1, 1, H, dv]; nothing when there was no split."""
+
+    def __init__(self, y: Ref, q: Ref, k: Ref):
+        self.n_ptrs = 2     # y, partials
+        super().__init__([q.shape[0], q.shape[1], q.shape[2], k.shape[2], y.shape[3]] + list(y.strides[:3]))
+
+    def emit(self, em: Emitter, a) -> None:
+        b = em.b
+        S_, H, T, n_kv, DV = a.ints[:5]
+        ys = a.ints[5:8]
+        y_ptr, partials = a.ptrs
+        d = {"S": S_, "T": T, "n_kv": n_kv}
+        chunk = em.cdiv(n_kv, a.nth)
+        with em.if_(split_kv(em, d)):
+            with em.loop(a.ith, H, a.nth, name="head") as h:
+                yrow = em.gep(y_ptr, em.offset((0, 0, h), ys))
+                zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+                chunked(em, DV, lambda i, lanes: _vstore(em, zero if lanes else em.f32(0.0), yrow, i, "f32"))
+                M = em.var(F32, em.f32(float("-inf")))
+                S = em.var(F32, em.f32(0.0))
+                with em.loop(0, a.nth, name="chunk") as c:
+                    part = em.gep(partials, em.mul(em.add(em.mul(c, H), h), em.mul(em.add(DV, 2), 4)))
+                    m_c, s_c = em.load(F32, part, 0), em.load(F32, part, 4)
+                    used = b.and_(em.icmp("<", em.mul(c, chunk), n_kv), b.fcmp_ordered("!=", s_c, em.f32(0.0)))
+                    with em.if_(used):
+                        m_new = em.intrinsic("llvm.maxnum.f32", F32, [em.get(M), m_c])
+                        old = vmath.expf(em, b.fsub(em.get(M), m_new))
+                        new = vmath.expf(em, b.fsub(m_c, m_new))
+
+                        def body(i, lanes, part=part, old=old, new=new):
+                            acc = _vload(em, yrow, i, "f32", lanes)
+                            pv = _vload(em, em.gep(part, 8), i, "f32", lanes)
+                            o, n = (em.splat(old, lanes), em.splat(new, lanes)) if lanes else (old, new)
+                            _vstore(em, em.fma(acc, o, b.fmul(pv, n)), yrow, i, "f32")
+
+                        chunked(em, DV, body)
+                        em.set(S, em.fma(em.get(S), old, b.fmul(s_c, new)))
+                        em.set(M, m_new)
+                total = em.get(S)
+                with em.if_(b.fcmp_ordered("!=", total, em.f32(0.0))):
+                    inv = b.fdiv(em.f32(1.0), total)
+                    chunked(em, DV, lambda i, lanes: _vstore(em, b.fmul(
+                        _vload(em, yrow, i, "f32", lanes), em.splat(inv, lanes) if lanes else inv), yrow, i, "f32"))

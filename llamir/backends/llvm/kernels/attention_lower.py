@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamir.backends.llvm import expr as E
-from llamir.backends.llvm.kernels.attention import FlashAttn, scratch_bytes
+from llamir.backends.llvm.kernels.attention import FlashAttn, FlashAttnReduce, scratch_bytes
 from llamir.backends.llvm.kernels.matmul_lower import contiguous_rows
 from llamir.backends.llvm.lowering import Lowerer, lowering
 from llamir.ir import Node, ops
@@ -37,6 +37,33 @@ def lower_flash_attn(L: Lowerer, node: Node) -> None:
     y = L.out(node)
     rows_bytes, tiled_bytes = scratch_bytes(q.shape[1], q.shape[3], v.shape[3])
     scratch = L.scratch(E.max_(rows_bytes, tiled_bytes), "fa_scratch", per_thread=True)
-    kernel = FlashAttn(y, q, k, v, mask, sinks, op.scale, op.logit_softcap, alibi)
-    ptrs = [y, q, k, v, (scratch, 0)] + [r for r in (mask, sinks) if r is not None]
-    L.step(kernel, ptrs, [q, k, v] + [r for r in (mask, sinks) if r is not None], [y, scratch])
+    scores = _quantized_scores(L, node, k) if k.dtype.is_quantized else None
+    split = k.dtype == v.dtype and k.dtype.name in ("f16", "f32")
+    partials = None
+    if split:   # one (M, S, VKQ) per thread and head for a split-KV decode
+        partials = L.scratch(E.mul(E.var(E.NTH), E.mul(q.shape[1], E.mul(E.add(v.shape[3], 2), 4))), "fa_partials")
+    extra = [r for r in (mask, sinks, scores) if r is not None]
+    kernel = FlashAttn(y, q, k, v, mask, sinks, scores, split, op.scale, op.logit_softcap, alibi)
+    ptrs = [y, q, k, v, (scratch, 0)] + extra + ([(partials, 0)] if split else [])
+    L.step(kernel, ptrs, [q, k, v] + extra, [y, scratch] + ([partials] if split else []))
+    if split:
+        L.step(FlashAttnReduce(y, q, k), [y, (partials, 0)], [partials], [y])
+
+
+def _quantized_scores(L: Lowerer, node: Node, k) -> object:
+    """[S, H, T, n] f32 raw scores of a quantized K: ggml's kq_vec_dot quantizes q to K's
+    vec_dot_type and dots block by block, which is the quantized mul_mat of k and q."""
+    from llamir.backends.llvm.kernels.matmul_quant import MatMulQDirect
+    from llamir.backends.llvm.kernels.matmul_quant_lower import quantized_activation
+    from llamir.backends.llvm.kernels.repack import weight_format
+    from llamir.ir import F32
+
+    q_node = node.inputs[0]
+    S, H, T, DK = L.ref(q_node).shape
+    shape = (S, H, T, k.shape[2])
+    buf = L.scratch(E.mul(E.prod(shape), 4), "fa_scores")
+    scores = L.plan.new_ref(buf, shape, F32)
+    fmt = weight_format(k.dtype.name, 8)
+    act, n_rows = quantized_activation(L, q_node, fmt, DK)
+    L.step(MatMulQDirect(fmt, DK, scores, k, n_rows), [scores, k, (act, 0)], [k, act], [scores])
+    return scores

@@ -2,7 +2,7 @@
 
 A chain (add, mul, scale, unary functions, GLUs, casts, copies) whose inner values have a single
 user and the same shape becomes one expression tree over the chain's inputs, evaluated in one
-pass: each thread takes whole rows; each row runs 16-lane chunks (ggml's AVX-512 chunking,
+pass: each thread takes whole rows; each row runs chunks of the profile's vector width (ggml's chunking,
 which decides how silu rounds) and then a scalar tail. Inputs may be any strided view, and are
 tiled ggml-style (an axis of size 1 broadcasts, a smaller one repeats).
 
@@ -21,8 +21,6 @@ from llamir.backends.llvm import expr as E
 from llamir.backends.llvm import vmath
 from llamir.backends.llvm.emit import F32, I32, Emitter, storage_type, vec
 from llamir.backends.llvm.plan import Kernel, Part, Ref
-
-LANES = vmath.LANES
 
 FLOAT_STORAGE = ("f32", "f16", "bf16")
 INT_STORAGE = ("i8", "i16", "i32", "i64")
@@ -77,10 +75,11 @@ class Elementwise(Kernel):
             self._row(em, out_row, rows, cols, ostr[3], [s[3] for _, s in ins], [s[3] for s, _ in ins])
 
     def _row(self, em: Emitter, out_row, rows, cols, out_step, in_steps, in_lens) -> None:
-        chunks = em.mul(em.div(cols, LANES), LANES)
-        with em.loop(0, chunks, LANES, name="col") as c:
-            values = [self._load(em, rows[i], c, LANES, in_steps[i], in_lens[i], i) for i in range(len(rows))]
-            self._store(em, out_row, c, self._value(em, values, LANES), out_step)
+        lanes = vmath.lanes(em)   # v_silu's chunks are the profile's vectors; the tail is scalar
+        chunks = em.mul(em.div(cols, lanes), lanes)
+        with em.loop(0, chunks, lanes, name="col") as c:
+            values = [self._load(em, rows[i], c, lanes, in_steps[i], in_lens[i], i) for i in range(len(rows))]
+            self._store(em, out_row, c, self._value(em, values, lanes), out_step)
         with em.loop(chunks, cols, name="tail") as c:
             values = [self._load(em, rows[i], c, 0, in_steps[i], in_lens[i], i) for i in range(len(rows))]
             self._store(em, out_row, c, self._value(em, values, 0), out_step)
@@ -157,7 +156,7 @@ def _c(em: Emitter, value: float, lanes: int):
 
 
 def eval_tree(em: Emitter, t: tuple, values: list, lanes: int):
-    """The f32 value (a 16-lane vector, or a scalar when lanes == 0) of tree `t`."""
+    """The f32 value (a vector of `lanes`, or a scalar when lanes == 0) of tree `t`."""
     kind = t[0]
     b = em.b
     if kind == "x":
@@ -200,7 +199,7 @@ def unary(em: Emitter, name: str, x, lanes: int, f32_lanes: bool):
     if name == "neg":
         return b.fneg(x)
     if name == "abs":
-        return em.intrinsic(f"llvm.fabs.{'v16f32' if lanes else 'f32'}", x.type, [x])
+        return em.intrinsic(f"llvm.fabs.{f'v{lanes}f32' if lanes else 'f32'}", x.type, [x])
     if name == "sgn":
         pos = b.select(b.fcmp_ordered(">", x, c(0.0)), c(1.0), c(0.0))
         return b.select(b.fcmp_ordered("<", x, c(0.0)), c(-1.0), pos)
@@ -211,7 +210,7 @@ def unary(em: Emitter, name: str, x, lanes: int, f32_lanes: bool):
     if name == "sqr":
         return b.fmul(x, x)
     if name == "sqrt":
-        return em.intrinsic(f"llvm.sqrt.{'v16f32' if lanes else 'f32'}", x.type, [x])
+        return em.intrinsic(f"llvm.sqrt.{f'v{lanes}f32' if lanes else 'f32'}", x.type, [x])
     if name == "silu":
         if lanes and f32_lanes:
             return vmath.v_silu(em, x)

@@ -1,13 +1,16 @@
 """Float matmuls (f32, f16, bf16 weights or KV caches): y[.., n, m] = sum_k a[.., m, k] b[.., n, k].
 
-Two summation orders, the two ggml uses on AVX-512, chosen as ggml chooses at run time:
-- tinyBLAS (llamafile sgemm; N >= 2, K % 16 == 0, M % 4 == 0 and src1 offered): one 16-lane
-  fma accumulator per output, reduced as _mm512_reduce_add_ps. Computed in 4 x 6 register tiles
-  over n-blocks that stay in L2; f16/bf16 weight rows are widened once per n-block into a
-  per-thread scratch.
-- ggml_vec_dot_f16/f32 otherwise: four 16-lane accumulators over 64-wide steps, summed
-  (0+2)+(1+3), reduced, then the leftovers (into a double for f16; rounded products, then fmas
-  for the last K % 8, for f32).
+Two summation orders, the two ggml uses, chosen as ggml chooses at run time, with the lane
+widths of the numerics profile (em.numerics; ir/float_x86.py is the reference):
+- tinyBLAS (llamafile sgemm; N >= 2, K % KN == 0, M % 4 == 0 and src1 offered): one fma
+  accumulator of `lanes` per output over steps of KN = lanes, reduced as _mm512_reduce_add_ps or
+  the 128-bit hsum (for bf16 with vdpbf16ps: KN = 32, pairs of products per lane, denormals
+  flushed). Computed in 4 x 6 register tiles over n-blocks that stay in L2; f16/bf16 weight
+  rows are widened once per n-block into a per-thread scratch.
+- ggml_vec_dot_f16/f32 otherwise: four accumulators over steps of 4 * lanes, GGML_F32_VEC_REDUCE,
+  then the leftovers (into a double for f16; for f32 rounded products, then fmas for the last
+  K % fused_tail); ggml_vec_dot_bf16: two vdpbf16ps accumulators over 64-wide steps, or four
+  8-lane ones over 32, each reduced into the double, then the leftovers.
 
 b arrives already rounded to a's type (see MatPrep) unless a is f32. Threads split the
 (batch, 16-row block of M) units.
@@ -17,23 +20,42 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
+from llamir.backends.llvm import vmath
 from llamir.backends.llvm.emit import F32, F64, Emitter, storage_type, vec
 from llamir.backends.llvm.plan import Kernel, Ref
 
-LANES = 16
 RM, RN = 4, 6
 M_UNIT = 16
 L2_BUDGET = 1 << 20     # bytes of b rows kept hot per n-block
+PREP_LANES = 16         # MatPrep's conversion width (element-wise: any width gives the same bits)
+_EVEN = list(range(0, 32, 2))
+_ODD = list(range(1, 32, 2))
 
 
-def _v(em: Emitter, ptr, off, dtype: str):
-    """16 lanes of a float row at byte offset `off`, as f32."""
+def _v(em: Emitter, ptr, off, dtype: str, lanes: int):
+    """`lanes` values of a float row at byte offset `off`, as f32."""
     ety = storage_type(dtype)
-    return em.to_f32(em.load(vec(ety, LANES), ptr, off), dtype)
+    return em.to_f32(em.load(vec(ety, lanes), ptr, off), dtype)
 
 
 def _s(em: Emitter, ptr, off, dtype: str):
     return em.to_f32(em.load(storage_type(dtype), ptr, off), dtype)
+
+
+def ftz(em: Emitter, x):
+    """Denormals to signed zero (vdpbf16ps's DAZ on inputs and FTZ on results)."""
+    n = x.type.count
+    tiny = em.b.fcmp_ordered("<", em.intrinsic(f"llvm.fabs.v{n}f32", x.type, [x]), vmath.splat(em, 2.0 ** -126, n))
+    zero = em.intrinsic(f"llvm.copysign.v{n}f32", x.type, [vmath.splat(em, 0.0, n), x])
+    return em.b.select(tiny, zero, x)
+
+
+def dpbf16(em: Emitter, acc, a32, b32):
+    """vdpbf16ps on 32 bf16 values held as f32: lane j += a[2j+1]*b[2j+1], then += a[2j]*b[2j]."""
+    for lanes in (_ODD, _EVEN):
+        x, y = em.shuffle(a32, None, lanes), em.shuffle(b32, None, lanes)
+        acc = ftz(em, em.fma(ftz(em, x), ftz(em, y), acc))
+    return acc
 
 
 class MatMulFloat(Kernel):
@@ -51,8 +73,11 @@ class MatMulFloat(Kernel):
     def config(self) -> tuple:
         return (self.a_dtype, self.b_dtype, self.sgemm)
 
+    @property
+    def _dp(self) -> bool:
+        return self.a_dtype == "bf16" and self.numerics.bf16_dot
+
     def emit(self, em: Emitter, a) -> None:
-        b = em.b
         yshape, ystr = a.ints[0:4], a.ints[4:7]
         ash, astr, bstr, K = a.ints[7:9], a.ints[9:12], a.ints[12:15], a.ints[15]
         N, M = yshape[2], yshape[3]
@@ -77,102 +102,150 @@ class MatMulFloat(Kernel):
                     self._tiles(em, A, B, Y, scratch, m0, m1, N, K, astr[2], bstr[2], ystr[2])
                 with otherwise:
                     self._vec_dots(em, A, B, Y, m0, m1, N, K, astr[2], bstr[2], ystr[2])
-        del b
+
+    def _kn(self) -> int:
+        return 32 if self._dp else self.numerics.lanes
 
     def _tinyblas_ok(self, em: Emitter, N, M, K) -> ir.Value:
         b = em.b
         if not self.sgemm:
             return ir.Constant(ir.IntType(1), 0)
         ok = em.icmp(">=", N, 2)
-        ok = b.and_(ok, em.icmp("==", em.rem(K, 16), 0))
+        ok = b.and_(ok, em.icmp("==", em.rem(K, self._kn()), 0))
         return b.and_(ok, em.icmp("==", em.rem(M, 4), 0))
 
     # -- tinyBLAS order ----------------------------------------------------------------------
     def _tiles(self, em: Emitter, A, B, Y, scratch, m0, m1, N, K, lda, ldb, ldy) -> None:
         widen = self.a_dtype != "f32"
+        lanes = self.numerics.lanes
         nb = em.max(RN * 4, em.min(512, em.mul(em.div(em.div(L2_BUDGET, em.mul(K, 4)), RN), RN)))
         with em.loop(0, N, nb, name="nb") as n0, em.loop(m0, m1, RM, name="mt") as mt:
             n1 = em.min(em.add(n0, nb), N)
             if widen:   # RM weight rows -> f32 scratch [RM][K]
-                with em.loop(0, K, LANES, name="wk") as k:
+                with em.loop(0, K, lanes, name="wk") as k:
                     for i in range(RM):
                         row = em.add(em.mul(em.add(mt, i), lda), 0)
-                        v = _v(em, A, em.add(row, em.mul(k, self._asize())), self.a_dtype)
+                        v = _v(em, A, em.add(row, em.mul(k, self._asize())), self.a_dtype, lanes)
                         em.store(v, scratch, em.mul(em.add(em.mul(i, K), k), 4))
                 arow = [em.gep(scratch, em.mul(em.mul(i, K), 4)) for i in range(RM)]
-                astep, adt = 4, "f32"
             else:
                 arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
-                astep, adt = 4, "f32"
-            em.tiles(n0, n1, RN, lambda nt, rn: self._tile(em, arow, astep, adt, B, Y, mt, nt, rn, K, ldb, ldy),
-                     name="nt")
+            em.tiles(n0, n1, RN, lambda nt, rn: self._tile(em, arow, B, Y, mt, nt, rn, K, ldb, ldy), name="nt")
 
     def _asize(self) -> int:
         return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]
 
-    def _tile(self, em: Emitter, arow, astep, adt, B, Y, mt, nt, rn: int, K, ldb, ldy) -> None:
-        b = em.b
-        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
-        accs = [[em.var(vec(F32, LANES), zero) for _ in range(RM)] for _ in range(rn)]
+    def _tile(self, em: Emitter, arow, B, Y, mt, nt, rn: int, K, ldb, ldy) -> None:
+        width = 16 if self._dp else self.numerics.lanes
+        kn = self._kn()
+        zero = ir.Constant(vec(F32, width), [0.0] * width)
+        accs = [[em.var(vec(F32, width), zero) for _ in range(RM)] for _ in range(rn)]
         brow = [em.gep(B, em.mul(em.add(nt, j), ldb)) for j in range(rn)]
-        with em.loop(0, K, LANES, name="k") as k:
-            av = [em.load(vec(F32, LANES), arow[i], em.mul(k, astep)) for i in range(RM)]
+        with em.loop(0, K, kn, name="k") as k:
+            av = [em.load(vec(F32, kn), arow[i], em.mul(k, 4)) for i in range(RM)]
             for j in range(rn):
-                bv = _v(em, brow[j], em.mul(k, 4), "f32")
+                bv = _v(em, brow[j], em.mul(k, 4), "f32", kn)
                 for i in range(RM):
-                    em.set(accs[j][i], em.fma(av[i], bv, em.get(accs[j][i])))
+                    acc = em.get(accs[j][i])
+                    em.set(accs[j][i], dpbf16(em, acc, av[i], bv) if self._dp else em.fma(av[i], bv, acc))
         for j in range(rn):
             for i in range(RM):
                 out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
                 em.store(em.reduce_add_tree(em.get(accs[j][i])), Y, out)
-        del b
 
     # -- ggml_vec_dot order --------------------------------------------------------------------
     def _vec_dots(self, em: Emitter, A, B, Y, m0, m1, N, K, lda, ldb, ldy) -> None:
-        main = em.mul(em.div(K, 64), 64)
         with em.loop(0, N, name="n") as n:
             brow = em.gep(B, em.mul(n, ldb))
             full = em.add(m0, em.mul(em.div(em.sub(m1, m0), 4), 4))
             with em.loop(m0, full, 4, name="m4") as m:
-                self._dots(em, A, brow, Y, n, m, 4, K, main, lda, ldy)
+                self._dots(em, A, brow, Y, n, m, 4, K, lda, ldy)
             with em.loop(full, m1, name="m1") as m:
-                self._dots(em, A, brow, Y, n, m, 1, K, main, lda, ldy)
+                self._dots(em, A, brow, Y, n, m, 1, K, lda, ldy)
 
-    def _dots(self, em: Emitter, A, brow, Y, n, m, rows: int, K, main, lda, ldy) -> None:
-        b = em.b
-        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
-        size = self._asize()
+    def _dots(self, em: Emitter, A, brow, Y, n, m, rows: int, K, lda, ldy) -> None:
         arows = [em.gep(A, em.mul(em.add(m, r), lda)) for r in range(rows)]
-        accs = [[em.var(vec(F32, LANES), zero) for _ in range(4)] for _ in range(rows)]
-        with em.loop(0, main, 64, name="k64") as k:
-            bv = [_v(em, brow, em.mul(em.add(k, 16 * q), 4), "f32") for q in range(4)]
-            for r in range(rows):
-                for q in range(4):
-                    av = _v(em, arows[r], em.mul(em.add(k, 16 * q), size), self.a_dtype)
-                    em.set(accs[r][q], em.fma(av, bv[q], em.get(accs[r][q])))
+        if self.a_dtype == "bf16":
+            totals = vec_dot_bf16(em, arows, brow, K)
+        else:
+            totals = vec_dot_rows(em, arows, self.a_dtype, brow, "f32", K, self._asize(), 4)
         for r in range(rows):
-            s = [em.get(x) for x in accs[r]]
-            total = em.reduce_add_tree(b.fadd(b.fadd(s[0], s[2]), b.fadd(s[1], s[3])))
-            total = self._leftovers(em, arows[r], brow, total, main, K)
-            em.store(total, Y, em.add(em.mul(n, ldy), em.mul(em.add(m, r), 4)))
+            em.store(totals[r], Y, em.add(em.mul(n, ldy), em.mul(em.add(m, r), 4)))
 
-    def _leftovers(self, em: Emitter, arow, brow, total, main, K):
-        b = em.b
-        size = self._asize()
-        if self.a_dtype == "f32":
-            acc = em.var(F32, total)
-            fused_from = em.sub(K, em.rem(K, 8))
-            with em.loop(main, K, name="left") as i:
-                av, bv = _s(em, arow, em.mul(i, size), "f32"), _s(em, brow, em.mul(i, 4), "f32")
-                plain = b.fadd(em.get(acc), b.fmul(bv, av))
-                fused = em.fma(bv, av, em.get(acc))
-                em.set(acc, b.select(em.icmp("<", i, fused_from), plain, fused))
-            return em.get(acc)
-        acc = em.var(F64, b.fpext(total, F64))
+
+def vec_dot_rows(em: Emitter, arows, a_dtype: str, brow, b_dtype: str, K, a_step: int, b_step: int) -> list:
+    """ggml_vec_dot_f16/f32 of each a row with one b row (a's type decides the leftovers): four
+    accumulators of the profile's lanes over steps of 4 * lanes, GGML_F32_VEC_REDUCE, leftovers."""
+    b = em.b
+    lanes = vmath.lanes(em)
+    step = 4 * lanes
+    zero = ir.Constant(vec(F32, lanes), [0.0] * lanes)
+    accs = [[em.var(vec(F32, lanes), zero) for _ in range(4)] for _ in arows]
+    main = em.mul(em.div(K, step), step)
+    with em.loop(0, main, step, name="kstep") as k:
+        bv = [_v(em, brow, em.mul(em.add(k, lanes * q), b_step), b_dtype, lanes) for q in range(4)]
+        for r, arow in enumerate(arows):
+            for q in range(4):
+                av = _v(em, arow, em.mul(em.add(k, lanes * q), a_step), a_dtype, lanes)
+                em.set(accs[r][q], em.fma(av, bv[q], em.get(accs[r][q])))
+    totals = []
+    for r, arow in enumerate(arows):
+        total = vmath.reduce_accumulators(em, [em.get(x) for x in accs[r]])
+        totals.append(_leftovers(em, arow, a_dtype, brow, b_dtype, total, main, K, a_step, b_step))
+    del b
+    return totals
+
+
+def _leftovers(em: Emitter, arow, a_dtype: str, brow, b_dtype: str, total, main, K, a_step: int, b_step: int):
+    b = em.b
+    if a_dtype == "f32":   # GCC's epilogue: rounded products of whole groups, then fmas
+        acc = em.var(F32, total)
+        fused_from = em.sub(K, em.rem(K, em.numerics.fused_tail))
         with em.loop(main, K, name="left") as i:
-            p = b.fmul(_s(em, brow, em.mul(i, 4), "f32"), _s(em, arow, em.mul(i, size), self.a_dtype))
+            av, bv = _s(em, arow, em.mul(i, a_step), a_dtype), _s(em, brow, em.mul(i, b_step), b_dtype)
+            plain = b.fadd(em.get(acc), b.fmul(bv, av))
+            fused = em.fma(bv, av, em.get(acc))
+            em.set(acc, b.select(em.icmp("<", i, fused_from), plain, fused))
+        return em.get(acc)
+    acc = em.var(F64, b.fpext(total, F64))
+    with em.loop(main, K, name="left") as i:
+        p = b.fmul(_s(em, brow, em.mul(i, b_step), b_dtype), _s(em, arow, em.mul(i, a_step), a_dtype))
+        em.set(acc, b.fadd(em.get(acc), b.fpext(p, F64)))
+    return b.fptrunc(em.get(acc), F32)
+
+
+def vec_dot_bf16(em: Emitter, arows, brow, K) -> list:
+    """ggml_vec_dot_bf16 of each bf16 a row with b (bf16 values as f32): vdpbf16ps accumulators
+    c1, c2 over 64-wide steps (AVX512_BF16), or c1..c4 of 8 lanes over 32 (AVX2), each summed
+    into a double, then the leftovers into it."""
+    b = em.b
+    dp = em.numerics.bf16_dot
+    width, step = (16, 64) if dp else (8, 32)
+    zero = ir.Constant(vec(F32, width), [0.0] * width)
+    accs = [[em.var(vec(F32, width), zero) for _ in range(2 if dp else 4)] for _ in arows]
+    main = em.mul(em.div(K, step), step)
+    with em.loop(0, main, step, name="kstep") as k:
+        for r, arow in enumerate(arows):
+            for q in range(len(accs[r])):
+                span = 32 if dp else 8
+                col = em.add(k, span * q)
+                av = _v(em, arow, em.mul(col, 2), "bf16", span)
+                bv = _v(em, brow, em.mul(col, 4), "f32", span)
+                acc = em.get(accs[r][q])
+                em.set(accs[r][q], dpbf16(em, acc, av, bv) if dp else em.fma(av, bv, acc))
+    totals = []
+    for r, arow in enumerate(arows):
+        c = [em.get(x) for x in accs[r]]
+        if dp:
+            total = b.fadd(b.fpext(em.reduce_add_tree(c[0]), F64), b.fpext(em.reduce_add_tree(c[1]), F64))
+        else:
+            total = b.fpext(em.reduce_add_tree(b.fadd(b.fadd(c[0], c[2]), b.fadd(c[1], c[3]))), F64)
+        acc = em.var(F64, total)
+        with em.loop(main, K, name="left") as i:
+            p = b.fmul(_s(em, brow, em.mul(i, 4), "f32"), _s(em, arow, em.mul(i, 2), "bf16"))
             em.set(acc, b.fadd(em.get(acc), b.fpext(p, F64)))
-        return b.fptrunc(em.get(acc), F32)
+        totals.append(b.fptrunc(em.get(acc), F32))
+    return totals
 
 
 class MatPrep(Kernel):
@@ -198,19 +271,19 @@ class MatPrep(Kernel):
         with em.loop(r0, r1, name="row") as r:
             src = row_pointer(em, a.ptrs[1], r, shape[:3], sst[:3])
             dst = row_pointer(em, a.ptrs[0], r, shape[:3], ost[:3])
-            chunks = em.mul(em.div(shape[3], LANES), LANES)
+            chunks = em.mul(em.div(shape[3], PREP_LANES), PREP_LANES)
 
             def conv(x):
                 if self.to == "f32":
                     return x
                 return em.to_f32(em.from_f32(x, self.to), self.to)
 
-            with em.loop(0, chunks, LANES, name="c") as c:
-                x = _v(em, src, em.mul(c, sst[3]), self.src_dtype) if isinstance(sst[3], int) and \
+            with em.loop(0, chunks, PREP_LANES, name="c") as c:
+                x = _v(em, src, em.mul(c, sst[3]), self.src_dtype, PREP_LANES) if isinstance(sst[3], int) and \
                     sst[3] == _size(self.src_dtype) else None
                 if x is None:
-                    x = ir.Constant(vec(F32, LANES), None)
-                    for j in range(LANES):
+                    x = ir.Constant(vec(F32, PREP_LANES), None)
+                    for j in range(PREP_LANES):
                         x = em.b.insert_element(x, _s(em, src, em.mul(em.add(c, j), sst[3]), self.src_dtype),
                                                 ir.Constant(ir.IntType(32), j))
                 em.store(conv(x), dst, em.mul(c, 4))

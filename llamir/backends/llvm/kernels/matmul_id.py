@@ -7,7 +7,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from llamir.backends.llvm.emit import I32, Emitter
-from llamir.backends.llvm.kernels.matmul_float import MatMulFloat
+from llamir.backends.llvm.kernels.matmul_float import vec_dot_rows
 from llamir.backends.llvm.kernels.matmul_quant import MatMulQDirect
 from llamir.backends.llvm.kernels.quant_act import act_layout
 from llamir.backends.llvm.kernels.repack import QFormat
@@ -56,15 +56,15 @@ class MatMulId(Kernel):
                     report_error(em, a.frame, ERR_INDEX, e, site)
 
     def _row(self, em: Emitter, W, w_row, brow, yrow, M) -> None:
-        if self.fmt is None:
-            main = em.mul(em.div(self.K, 64), 64)
-            helper = MatMulFloat.__new__(MatMulFloat)
-            helper.a_dtype = self.w_dtype
+        if self.fmt is None:   # ggml_vec_dot_f16/f32 per output, four weight rows at a time
+            size = {"f32": 4, "f16": 2}[self.w_dtype]
             full = em.mul(em.div(M, 4), 4)
-            with em.loop(0, full, 4, name="m4") as m:
-                helper._dots(em, W, brow, yrow, 0, m, 4, self.K, main, w_row, 0)
-            with em.loop(full, M, name="m1") as m:
-                helper._dots(em, W, brow, yrow, 0, m, 1, self.K, main, w_row, 0)
+            for start, stop, n in ((0, full, 4), (full, M, 1)):
+                with em.loop(start, stop, n, name=f"m{n}") as m:
+                    rows = [em.gep(W, em.mul(em.add(m, r), w_row)) for r in range(n)]
+                    totals = vec_dot_rows(em, rows, self.w_dtype, brow, "f32", self.K, size, 4)
+                    for r, total in enumerate(totals):
+                        em.store(total, yrow, em.mul(em.add(m, r), 4))
             return
         nb, off_d, off_aux, _, _ = act_layout(self.fmt, self.K)
         helper = MatMulQDirect.__new__(MatMulQDirect)

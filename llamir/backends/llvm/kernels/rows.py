@@ -1,8 +1,8 @@
 """Row kernels: norms (with the fused weight/bias), softmax, row sums, sorting.
 
 Each thread takes whole rows. Sums follow ggml's CPU code: norms add the row in order into a
-double (ggml_float), softmax sums each 16-lane chunk of exps in float and adds the chunk sums
-into a double, the variance of `norm` does the same for its squares.
+double (ggml_float), softmax sums each vector of exps (16 or 8 lanes, per profile) in float and
+adds those sums into a double, the variance of `norm` does the same for its squares.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from llamir.backends.llvm import vmath
 from llamir.backends.llvm.emit import F32, F64, I32, I64, Emitter, storage_type, vec
 from llamir.backends.llvm.kernels.elementwise import axis_modes
 from llamir.backends.llvm.plan import Kernel, Ref
-
-LANES = vmath.LANES
 
 
 def row_pointer(em: Emitter, ptr, r, shape3, strides3, modes=("eq", "eq", "eq"), in_shape3=None):
@@ -124,12 +122,14 @@ def _sum_f64(em: Emitter, n, value) -> ir.Value:
 
 
 def _chunked_sum_f64(em: Emitter, n, value) -> ir.Value:
-    """ggml's chunked sums: each 16-lane chunk reduced in float (reduce_add tree), added into a
-    double in order, then the tail values one by one. value(c, lanes) gives f32 (vector)."""
+    """ggml's chunked sums: each vector of the profile's width summed in float (_mm512_reduce_add_ps
+    or the 128-bit hsum: the reduce_add tree), added into a double in order, then the tail values
+    one by one. value(c, lanes) gives f32 (vector)."""
     acc = em.var(F64, ir.Constant(F64, 0.0))
-    chunks = em.mul(em.div(n, LANES), LANES)
-    with em.loop(0, chunks, LANES, name="chunk") as c:
-        s = em.reduce_add_tree(value(c, LANES))
+    lanes = vmath.lanes(em)
+    chunks = em.mul(em.div(n, lanes), lanes)
+    with em.loop(0, chunks, lanes, name="chunk") as c:
+        s = em.reduce_add_tree(value(c, lanes))
         em.set(acc, em.b.fadd(em.get(acc), em.b.fpext(s, F64)))
     with em.loop(chunks, n, name="tail") as c:
         em.set(acc, em.b.fadd(em.get(acc), em.b.fpext(value(c, 0), F64)))
@@ -211,25 +211,26 @@ def _np_max(em: Emitter, acc, x):
 
 
 def _exp_row(em: Emitter, row, n, step, row_max) -> ir.Value:
-    """row[i] = exp(row[i] - max) in place (16-lane v_expf chunks, libm expf tail); returns the
-    double sum (ggml_vec_soft_max_f32). Assumes a contiguous row when step is the f32 size."""
+    """row[i] = exp(row[i] - max) in place (v_expf on the profile's vectors, libm expf tail); returns
+    the double sum (ggml_vec_soft_max_f32). Assumes a contiguous row when step is the f32 size."""
     b = em.b
     acc = em.var(F64, ir.Constant(F64, 0.0))
-    chunks = em.mul(em.div(n, LANES), LANES)
-    mvec = em.splat(row_max, LANES)
+    lanes = vmath.lanes(em)
+    chunks = em.mul(em.div(n, lanes), lanes)
+    mvec = em.splat(row_max, lanes)
     contiguous = isinstance(step, int) and step == 4
-    with em.loop(0, chunks, LANES, name="exp") as c:
+    with em.loop(0, chunks, lanes, name="exp") as c:
         if contiguous:
-            x = em.load(vec(F32, LANES), row, em.mul(c, 4))
+            x = em.load(vec(F32, lanes), row, em.mul(c, 4))
         else:
-            x = ir.Constant(vec(F32, LANES), None)
-            for j in range(LANES):
+            x = ir.Constant(vec(F32, lanes), None)
+            for j in range(lanes):
                 x = b.insert_element(x, em.load(F32, row, em.mul(em.add(c, j), step)), ir.Constant(I32, j))
         e = vmath.v_expf(em, b.fsub(x, mvec))
         if contiguous:
             em.store(e, row, em.mul(c, 4))
         else:
-            for j in range(LANES):
+            for j in range(lanes):
                 em.store(b.extract_element(e, ir.Constant(I32, j)), row, em.mul(em.add(c, j), step))
         em.set(acc, b.fadd(em.get(acc), b.fpext(em.reduce_add_tree(e), F64)))
     with em.loop(chunks, n, name="exptail") as c:

@@ -1,0 +1,105 @@
+"""Both numerics profiles on the LLVM backend, on this host's target and on an AVX2-only one.
+
+The ops whose bits differ between ggml's AVX-512 and AVX2 builds (v_expf/silu/softmax chunks,
+the variance sum, float matmuls with tinyBLAS and vec_dot, bf16 dots, flash attention's three
+paths) are compiled for each profile and compared with the numpy reference running the same
+profile, bit for bit. The restricted target (no AVX-512) makes an AVX-512 host run the code
+an AVX2-only machine gets; on an AVX2 host both targets are the same code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from llamir.ir import BF16, F16, F32, GraphBuilder, dtype_named, quants, run_graph
+from llamir.ir.numerics import PROFILES
+
+pytestmark = pytest.mark.slow
+rng = np.random.default_rng(8)
+COMBOS = [(p, t) for p in sorted(PROFILES) for t in ("host", "avx2-only")]
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=[f"{p}-{t}" for p, t in COMBOS])
+def backend(request):
+    from llamir.backends.llvm import LLVMBackend
+    from llamir.backends.llvm.target import host_target, restricted_target
+
+    profile, target = request.param
+    tgt = host_target() if target == "host" else restricted_target(host_target(), ("avx512",))
+    b = LLVMBackend(n_threads=2, target=tgt, disk_cache=False, numerics=profile)
+    yield b
+    b.close()
+
+
+def same(backend, graph, values, bindings=None):
+    want = run_graph(graph, dict(values), bindings, numerics=backend.numerics, n_threads=backend.n_threads)
+    got = backend.compile(graph)(dict(values), bindings or {})
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        equal = (g.view(np.uint32) == w.view(np.uint32)) | (np.isnan(g) & np.isnan(w))
+        assert equal.all(), f"{name}: {int((~equal).sum())} of {equal.size} values differ"
+
+
+def _f32(shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [37, 250, 256])
+def test_soft_max_silu_norm(backend, n):
+    b = GraphBuilder("g")
+    x = b.input("x", [1, 4, 5, n], F32)
+    mask = b.input("m", [1, 1, 5, n], F16)
+    sinks = b.input("s", [4], F32)
+    b.output("soft_max", b.soft_max_ext(x, mask, 0.125))
+    b.output("alibi_sinks", b.soft_max_ext(x, mask, 0.125, max_bias=8.0, sinks=sinks))
+    b.output("silu", b.silu(x))
+    b.output("swiglu", b.swiglu(x, b.scale(x, 0.5)))
+    b.output("norm", b.norm(x, 1e-5))
+    m = np.zeros((1, 1, 5, n), np.float32)
+    m[..., n - 3:] = -np.inf
+    same(backend, b.graph, {"x": _f32((1, 4, 5, n), 6), "m": m.astype(np.float16), "s": _f32((4,))})
+
+
+MATMULS = [(256, 1, 64), (96, 1, 200), (40, 1, 71), (40, 1, 125), (256, 7, 64), (250, 7, 64), (64, 3, 72),
+           (64, 5, 256), (48, 2, 96)]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
+@pytest.mark.parametrize("m,n,k", MATMULS)
+def test_float_matmul(backend, dtype, m, n, k):
+    x = _f32((m, k))
+    a = {F32: x, F16: x.astype(np.float16), BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[dtype]
+    b = GraphBuilder("g")
+    b.output("y", b.mul_mat(b.weight("a", [m, k], dtype), b.input("b", [n, k], F32)))
+    same(backend, b.graph, {"a": a, "b": _f32((n, k))})
+
+
+def _kv(shape, dtype: str):
+    x = _f32(shape)
+    return {"f32": x, "f16": x.astype(np.float16)}.get(dtype) if dtype in ("f32", "f16") else \
+        quants.quantize(x, dtype_named(dtype))
+
+
+@pytest.mark.parametrize("n_tok,n_kv,k_type,v_type", [
+    (1, 256, "f16", "f16"), (7, 256, "f32", "f32"), (70, 200, "f16", "f16"), (64, 128, "f32", "f32"),
+    (1, 600, "f16", "f16"), (1, 512, "f32", "f32"), (9, 256, "q8_0", "q8_0"), (3, 256, "q4_0", "f16"),
+])
+def test_flash_attn(backend, n_tok, n_kv, k_type, v_type):
+    dk = 64
+    b = GraphBuilder("g")
+    q = b.input("q", [1, 4, n_tok, dk], F32)
+    k = b.input("k", [1, 2, n_kv, dk], dtype_named(k_type))
+    v = b.input("v", [1, 2, n_kv, dk], dtype_named(v_type))
+    mask = b.input("m", [1, 1, n_tok, n_kv], F16)
+    sinks = b.input("s", [4], F32)
+    b.output("y", b.flash_attn_ext(q, k, v, mask, 1 / math.sqrt(dk), sinks=sinks))
+    m = np.zeros((n_tok, n_kv), np.float32)
+    for t in range(n_tok):
+        m[t, n_kv - n_tok + t + 1:] = -np.inf
+    same(backend, b.graph, {"q": _f32((1, 4, n_tok, dk)), "k": _kv((1, 2, n_kv, dk), k_type),
+                            "v": _kv((1, 2, n_kv, dk), v_type), "m": m.astype(np.float16)[None, None],
+                            "s": _f32((4,), 2) + 2})
