@@ -339,6 +339,80 @@ def cosf(y: np.ndarray) -> np.ndarray:
     return _sin_or_cos(y, cos=True)
 
 
+# -- glibc 2.36 tanhf / expm1f (sysdeps/ieee754/flt-32/s_tanhf.c, s_expm1f.c: fdlibm, float) -------
+_EXPM1_Q = tuple(_hex32(h) for h in ("-0x1.111112p-5", "0x1.a01a02p-10", "-0x1.4ce19ap-14", "0x1.0cfca8p-18",
+                                     "-0x1.afdd76p-23"))
+_LN2_HI_F, _LN2_LO_F = _hex32("0x1.62e3p-1"), _hex32("0x1.2fefa2p-17")
+_INVLN2_F = _hex32("0x1.715476p+0")
+
+
+def expm1f(x: np.ndarray) -> np.ndarray:
+    """glibc's fdlibm expm1f, each step rounded in float: k = round(x/ln2), x - k*ln2 in two parts,
+    a rational correction, then 2^k scaling; -1 below -27*ln2, inf past 88.72."""
+    x = np.asarray(x, dtype=f32)
+    hx = x.view(u32) & u32(0x7FFFFFFF)
+    big = hx >= u32(0x4195B844)                                              # |x| >= 27*ln2
+    with np.errstate(all="ignore"):
+        huge = np.where(np.isnan(x), x + x, np.where(x < 0, f32(-1), f32(np.inf)))
+        return np.where(big & ((x < 0) | (hx >= u32(0x42B17218))), huge, _expm1f_core(x))
+
+
+def _expm1f_core(x: np.ndarray) -> np.ndarray:
+    one, half = f32(1), f32(0.5)
+    hx = x.view(u32) & u32(0x7FFFFFFF)
+    neg = x < 0
+    with np.errstate(all="ignore"):
+        near = (hx > u32(0x3EB17218)) & (hx < u32(0x3F851592))           # 0.5 ln2 < |x| < 1.5 ln2
+        k_far = (_INVLN2_F * x + np.where(neg, -half, half)).astype(np.int32)
+        k = np.where(hx > u32(0x3EB17218), np.where(near, np.where(neg, -1, 1), k_far), 0).astype(np.int32)
+        t = k.astype(f32)
+        hi = np.where(near, np.where(neg, x + _LN2_HI_F, x - _LN2_HI_F), x - t * _LN2_HI_F)
+        lo = np.where(near, np.where(neg, -_LN2_LO_F, _LN2_LO_F), t * _LN2_LO_F)
+        reduced = np.where(k != 0, hi - lo, x)
+        c = np.where(k != 0, (hi - reduced) - lo, f32(0))
+        x = reduced
+        hfx = half * x
+        hxs = x * hfx
+        q = _EXPM1_Q
+        r1 = one + hxs * (q[0] + hxs * (q[1] + hxs * (q[2] + hxs * (q[3] + hxs * q[4]))))
+        t3 = f32(3) - r1 * hfx
+        e = hxs * ((r1 - t3) / (f32(6) - x * t3))
+        y0 = x - (x * e - hxs)
+        e = (x * (e - c) - c) - hxs
+        y_m1 = half * (x - e) - half
+        y_p1 = np.where(x < f32(-0.25), -f32(2) * (e - (x + half)), one + f32(2) * (x - e))
+
+        def add_exponent(y):
+            return (y.view(np.int32) + (k << 23)).view(f32)
+
+        y_big = add_exponent(one - (e - x)) - one                           # k <= -2 or k > 56
+        t_small = (np.int32(0x3F800000) - (np.int32(0x1000000) >> np.clip(k, 0, 31))).view(f32)
+        y_mid = add_exponent(t_small - (e - x))                              # 2 <= k < 23
+        t_large = ((np.int32(0x7F) - k) << 23).view(f32)
+        y_hi = add_exponent((x - (e + t_large)) + one)                       # 23 <= k <= 56
+        y = np.where((k <= -2) | (k > 56), y_big, np.where(k < 23, y_mid, y_hi))
+        y = np.where(k == 1, y_p1, np.where(k == -1, y_m1, y))
+        y = np.where(k == 0, y0, y)
+        return np.where(hx < u32(0x33000000), x, y).astype(f32)              # |x| < 2^-25: x
+
+
+def tanhf(x: np.ndarray) -> np.ndarray:
+    """glibc 2.36's tanhf (fdlibm): 1 - 2/(expm1f(2|x|) + 2) for |x| >= 1, -t/(t + 2) with
+    t = expm1f(-2|x|) below, +-1 from 22 on, x itself below 2^-55."""
+    x = np.asarray(x, dtype=f32)
+    one, two = f32(1), f32(2)
+    ix = x.view(u32) & u32(0x7FFFFFFF)
+    ax = np.abs(x)
+    with np.errstate(all="ignore"):
+        t_big = expm1f(two * ax)
+        t_small = expm1f(-two * ax)
+        z = np.where(ix >= u32(0x3F800000), one - two / (t_big + two), -t_small / (t_small + two))
+        z = np.where(ix >= u32(0x41B00000), one, z)
+        z = np.where(x < 0, -z, z)
+        z = np.where(ix < u32(0x24000000), x * (one + x), z)
+        return np.where(ix >= u32(0x7F800000), np.where(np.isnan(x), x, np.sign(x)), z).astype(f32)
+
+
 def logf(x) -> np.float32:
     """glibc logf, approximated by the rounded float64 log: they differ in about 0.2% of inputs
     (glibc's own error is 0.82 ulp). Only rope's YaRN magnitude scale uses it, once per op."""

@@ -33,10 +33,6 @@ def _expf(x) -> np.ndarray:
         return ggml_math.expf(np.asarray(x, dtype=f32))
 
 
-def _tanhf(x: np.ndarray) -> np.ndarray:
-    return np.tanh(x.astype(f64)).astype(f32)   # glibc's tanhf is not ported: see the README's exceptions
-
-
 def kq_dots(k: np.ndarray, k_dtype: DType, q: np.ndarray, numerics: Numerics) -> np.ndarray:
     """[rows, n] scores of q rows f32 [rows, dk] against K rows [n, dk] (storage), as ggml's
     kq_vec_dot: q converted by from_float to K's vec_dot_type, then one vec_dot per pair."""
@@ -78,7 +74,7 @@ def _one_chunk(scores: np.ndarray, mask: np.ndarray | None, v: np.ndarray, cells
             if not np.any(live):
                 continue
             if softcap:
-                s = f32(softcap) * _tanhf(scores[:, c:c + 1] * scale) + mv
+                s = f32(softcap) * ggml_math.tanhf(scores[:, c:c + 1] * scale) + mv
             else:   # s = s*scale; s += mv: GCC fuses the two into one fma
                 s = ggml_math.fma(scores[:, c:c + 1], scale, mv)
             grow = live & (s > rows.M)
@@ -131,7 +127,7 @@ def _tiled(q: np.ndarray, k32: np.ndarray, v32: np.ndarray, mask: np.ndarray | N
                 kq[:, :width] = ggml_math.fma(q[:, d:d + 1], k32[None, ic:ic + width, d], kq[:, :width])
             kq = kq * scale
             if softcap:
-                kq = _tanhf(kq) * f32(softcap)
+                kq = ggml_math.tanhf(kq) * f32(softcap)
             kq[:, width:] = -np.inf
             if mask is not None:
                 kq[:, :width] = kq[:, :width] + mask[:, ic:ic + width]

@@ -120,8 +120,10 @@ def _silu_scalar(x):
 
 
 def _gelu_f32(x):
-    c = f32(math.sqrt(2 / math.pi))
-    return f32(0.5) * x * (f32(1) + np.tanh(c * x * (f32(1) + f32(0.044715) * x * x)))
+    """ggml_gelu_f32: 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))), with GCC's
+    fma for the innermost 1 + (a*x)*x and glibc's tanhf."""
+    inner = ggml_math.fma(f32(0.044715) * x, x, f32(1))
+    return f32(0.5) * x * (f32(1) + ggml_math.tanhf(f32(math.sqrt(2 / math.pi)) * x * inner))
 
 
 def _gelu_table(x):
@@ -142,7 +144,7 @@ def _erf(x):
 
 _UNARY: dict[type, Callable] = {
     ops.Neg: np.negative, ops.Abs: np.abs, ops.Sgn: np.sign,
-    ops.Step: lambda x: (x > 0).astype(f32), ops.Tanh: np.tanh,
+    ops.Step: lambda x: (x > 0).astype(f32), ops.Tanh: ggml_math.tanhf,
     ops.Elu: lambda x: np.where(x > 0, x, np.expm1(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
     ops.Sigmoid: _sigmoid, ops.Gelu: _gelu_table,
     ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + _erf(x * f32(1 / math.sqrt(2)))),

@@ -162,6 +162,19 @@ def test_silu_f16_is_scalar(ggml, rng):
     assert_same_bits(ours(lambda g, a: g.silu(a), a=x), theirs(ggml, lambda g, a: g.op("ggml_silu", a), x))
 
 
+def test_gelu_tables_over_every_f16(ggml):
+    """ggml's gelu and gelu_quick look up f16 tables built from ggml_gelu_f32 (glibc tanhf) at
+    ggml_cpu_init; every finite f16 input, plus the +-10 clamps of plain gelu and geglu."""
+    x = np.arange(65536, dtype=np.uint16).view(f16).astype(f32)
+    x = np.concatenate([x[np.isfinite(x)], [-12.5, 10.0, 31.0]]).astype(f32).reshape(1, -1)
+    g = np.linspace(-2, 2, x.size, dtype=f32).reshape(x.shape)
+    for name in ("gelu", "gelu_quick", "tanh"):
+        assert_same_bits(ours(lambda b, a, name=name: b.unary(name, a), a=x),
+                         theirs(ggml, lambda b, a, name=name: b.op(f"ggml_{name}", a), x))
+    assert_same_bits(ours(lambda b, a, c: b.glu("geglu", a, c), a=x, c=g),
+                     theirs(ggml, lambda b, a, c: b.op("ggml_geglu_split", a, c), x, g))
+
+
 @pytest.mark.parametrize("name", ["sigmoid", "exp", "sin", "cos"])
 def test_libm_unary(ggml, rng, name):
     """ggml's scalar unary ops call glibc: expf (sigmoid, exp), sinf, cosf."""

@@ -132,3 +132,10 @@ def test_split_kv_with_sinks(ggml, n_kv):
 def test_no_mask(ggml, n_tok):
     assert_same_bits(*run_both(ggml, n_tok=n_tok, n_kv=96, n_head=2, n_head_kv=2, dk=64, dv=64,
                                k_type="f16", v_type="f16", seed=13, masked=False))
+
+
+@pytest.mark.parametrize("n_tok", [4, 64])
+def test_logit_softcap(ggml, n_tok):
+    """softcap * tanhf(s * scale / softcap), glibc's tanhf, then the mask (one_chunk and tiled)."""
+    assert_same_bits(*run_both(ggml, n_tok=n_tok, n_kv=128, n_head=2, n_head_kv=1, dk=64, dv=64,
+                               k_type="f16", v_type="f16", seed=17, softcap=0.5))

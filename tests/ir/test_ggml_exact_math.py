@@ -1,6 +1,6 @@
 """llamir.ir.ggml_math against independent oracles: exact rational arithmetic for the float32 fma,
-and this machine's glibc (through ctypes) for the expf/sinf/cosf ports that ggml's scalar code
-calls. (ggml_v_expf itself is checked against libggml in test_ggml_exact.py.)"""
+and this machine's glibc (through ctypes) for the expf/sinf/cosf/tanhf/expm1f ports that ggml's
+scalar code calls. (ggml_v_expf itself is checked against libggml in test_ggml_exact.py.)"""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def glibc_libm():
     if path is None or not hasattr(libc, "gnu_get_libc_version"):
         pytest.skip("needs glibc's libm, whose expf/sinf/cosf ggml_math ports")
     lib = ctypes.CDLL(path)
-    for name in ("expf", "sinf", "cosf"):
+    for name in ("expf", "sinf", "cosf", "tanhf", "expm1f"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
     return lib
@@ -64,6 +64,12 @@ def _libm(lib, name: str, x: np.ndarray) -> np.ndarray:
 def _inputs(rng, name: str) -> np.ndarray:
     if name == "expf":
         body = rng.uniform(-104, 89, 40000)
+    elif name in ("tanhf", "expm1f"):   # every branch: tiny, |x| < 1, |x| >= 1, the k = +-1 and far reductions
+        body = np.concatenate([rng.normal(0, 1, 20000) * 10.0 ** rng.uniform(-20, 1.3, 20000),
+                               np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float64)])
+        body = body[np.isfinite(body)]
+        if name == "expm1f":
+            body = body[np.abs(body) < 18.7]   # the range tanhf hands it (27*ln2)
     else:  # small, fast-reduced (< 120) and large-reduced arguments, rope angles up to 1e5 rad
         body = rng.uniform(-1, 1, 40000) * 10.0 ** rng.uniform(-5, 5, 40000)
     special = [0.0, -0.0, 1e-30, -1e-30, 88.0, 88.8, -103.0, -104.5, 120.0, 119.99, 2e5,
@@ -71,7 +77,7 @@ def _inputs(rng, name: str) -> np.ndarray:
     return np.concatenate([body, special]).astype(f32)
 
 
-@pytest.mark.parametrize("name", ["expf", "sinf", "cosf"])
+@pytest.mark.parametrize("name", ["expf", "sinf", "cosf", "tanhf", "expm1f"])
 def test_glibc_ports_match_libm(glibc_libm, name):
     x = _inputs(np.random.default_rng(3), name)
     got, want = getattr(ggml_math, name)(x), _libm(glibc_libm, name, x)

@@ -247,7 +247,9 @@ def _gelu_f32(em: Emitter, x, lanes: int):
     def c(v):
         return _c(em, v, lanes)
 
-    inner = b.fmul(b.fmul(c(float(math.sqrt(2 / math.pi))), x), b.fadd(c(1.0), b.fmul(b.fmul(c(0.044715), x), x)))
+    # ggml_gelu_f32: 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f + GELU_COEF_A*x*x))), GCC fusing
+    # the innermost 1 + (a*x)*x
+    inner = b.fmul(b.fmul(c(float(math.sqrt(2 / math.pi))), x), em.fma(b.fmul(c(0.044715), x), x, c(1.0)))
     return b.fmul(b.fmul(c(0.5), x), b.fadd(c(1.0), vmath.libm(em, "tanhf", inner)))
 
 
