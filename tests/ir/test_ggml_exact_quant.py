@@ -122,7 +122,8 @@ def test_q8_k_quantizers_match_ggml(ggml, rng):
                                    row.sums(16).astype(np.int16).view(np.uint8).reshape(4, 2, 32)], axis=-1)
     got_ref = np.zeros((4, 2 * 292), np.uint8)
     for r in range(4):
-        ggml.cpu.quantize_row_q8_K(x[r].ctypes.data_as(ctypes.c_void_p), got_ref[r].ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(512))
+        ggml.cpu.quantize_row_q8_K(x[r].ctypes.data_as(ctypes.c_void_p), got_ref[r].ctypes.data_as(ctypes.c_void_p),
+                                   ctypes.c_int64(512))
     np.testing.assert_array_equal(got_ref.reshape(4, 2, 292), expected_ref)
 
     mat = quants_k_x86.quantize_q8_k(x, positive_ties=True)

@@ -4,8 +4,6 @@ for floats: mul_mat_id never goes to tinyBLAS; the exact orders for the block ty
 
 from __future__ import annotations
 
-import llvmlite.ir as ir
-
 from llamir.backends.llvm.emit import I32, Emitter
 from llamir.backends.llvm.kernels.matmul_float import vec_dot_rows
 from llamir.backends.llvm.kernels.matmul_quant import MatMulQDirect
@@ -15,16 +13,18 @@ from llamir.backends.llvm.plan import Kernel, Ref
 
 
 class MatMulId(Kernel):
-    def __init__(self, y: Ref, w: Ref, b: Ref, ids: Ref, site, fmt: QFormat | None, b_row_bytes, K: int):
+    def __init__(self, y: Ref, w: Ref, b: Ref, ids: Ref, site, fmt: QFormat | None, b_row_bytes, K: int,
+                 repacked: bool = False):
         self.w_dtype = w.dtype.name
         self.fmt = fmt
         self.K = K
+        self.repacked = repacked      # Q4_0 experts in ggml's CPU_REPACK: every row through its gemv
         self.n_ptrs = 4
         super().__init__(list(y.shape) + list(y.strides[:2]) + list(w.shape[:1]) + list(w.strides[:2])
                          + [b.shape[1], b_row_bytes] + list(ids.strides) + [site])
 
     def config(self) -> tuple:
-        return (self.w_dtype, self.fmt, self.K)
+        return (self.w_dtype, self.fmt, self.K, self.repacked)
 
     def emit(self, em: Emitter, a) -> None:
         from llamir.backends.llvm.codegen import report_error
@@ -70,11 +70,6 @@ class MatMulId(Kernel):
         helper = MatMulQDirect.__new__(MatMulQDirect)
         helper.dtype = self.w_dtype
         bsize = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24}[self.w_dtype]
-        block_order = em.icmp("==", em.rem(M, 8), 0) if self.w_dtype == "q4_0" else ir.Constant(ir.IntType(1), 0)
         with em.loop(0, M, name="m") as m:
             arow = em.gep(W, em.mul(m, w_row))
-            with em.if_else(block_order) as (then, otherwise):
-                with then:
-                    em.store(helper._dot(em, arow, brow, nb, bsize, off_d, off_aux, True), yrow, em.mul(m, 4))
-                with otherwise:
-                    em.store(helper._dot(em, arow, brow, nb, bsize, off_d, off_aux, False), yrow, em.mul(m, 4))
+            em.store(helper._dot(em, arow, brow, nb, bsize, off_d, off_aux, self.repacked), yrow, em.mul(m, 4))

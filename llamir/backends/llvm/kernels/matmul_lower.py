@@ -99,6 +99,7 @@ def lower_mul_mat_id(L: Lowerer, node: Node) -> None:
     from llamir.backends.llvm.kernels.matmul_quant_lower import quantized_activation
     from llamir.backends.llvm.kernels.quant_act import act_layout
     from llamir.backends.llvm.kernels.repack import weight_format
+    from llamir.ir.repack_x86 import repack_type
 
     w = contiguous_rows(L, L.ref(node.inputs[0]), "experts")
     ids = L.ref(node.inputs[2])
@@ -112,7 +113,11 @@ def lower_mul_mat_id(L: Lowerer, node: Node) -> None:
         fmt = weight_format(w.dtype.name, 8)
         buf, _ = quantized_activation(L, node.inputs[1], fmt, K)
         act, row, b_ref = (buf, 0), act_layout(fmt, K)[4], L.ref(node.inputs[1])
-    kernel = MatMulId(y, w, b_ref, ids, L.site("mul_mat_id expert id"), fmt, row, K)
+    experts = node.inputs[0]     # ggml repacks a 3-D expert weight (q4_0 here) for mul_mat_id
+    n_expert, m_rows = experts.type.shape[0], experts.type.shape[-2]
+    repacked = fmt is not None and experts.kind == "weight" and n_expert != 1 and isinstance(m_rows, int) \
+        and repack_type(experts.dtype, m_rows, L.numerics) is not None
+    kernel = MatMulId(y, w, b_ref, ids, L.site("mul_mat_id expert id"), fmt, row, K, repacked)
     L.step(kernel, [y, w, act, ids], [w, act[0], ids], [y])
 
 

@@ -169,7 +169,7 @@ def _block_values(em: Emitter, dtype: str, blk):
 class MatMulQDirect(Kernel):
     """y [B0, B1, N, M] f32 from a quantized a [A0, A1, M, K] in ggml's block layout (any row and
     batch strides) and b's quantized activations [B0, B1, N] rows: one dot product per output in
-    the reference's order (lanes8, or one integer sum per block for Q4_0 with M % 8 == 0)."""
+    vec_dot's lanes8 order (these operands, KV caches and batched tensors, are never repacked)."""
 
     def __init__(self, fmt: QFormat, K: int, y, a, n_rows_per_batch):
         y, a = y.padded(), a.padded()
@@ -192,7 +192,6 @@ class MatMulQDirect(Kernel):
         batches = em.mul(yshape[0], yshape[1])
         units = em.mul(batches, N)
         u0, u1 = em.split(units, a.ith, a.nth)
-        block_order = em.icmp("==", em.rem(M, 8), 0) if self.dtype == "q4_0" else ir.Constant(ir.IntType(1), 0)
         with em.loop(u0, u1, name="unit") as u:
             n = em.rem(u, N)
             bi = em.div(u, N)
@@ -204,11 +203,7 @@ class MatMulQDirect(Kernel):
             yrow = em.gep(y_ptr, em.offset((i0, i1, n), ystr[:3]))
             with em.loop(0, M, name="m") as m:
                 arow = em.gep(A, em.mul(m, astr[2]))
-                with em.if_else(block_order) as (then, otherwise):
-                    with then:
-                        em.store(self._dot(em, arow, xrow, nb, bsize, off_d, off_aux, True), yrow, em.mul(m, 4))
-                    with otherwise:
-                        em.store(self._dot(em, arow, xrow, nb, bsize, off_d, off_aux, False), yrow, em.mul(m, 4))
+                em.store(self._dot(em, arow, xrow, nb, bsize, off_d, off_aux, False), yrow, em.mul(m, 4))
 
     def _dot(self, em: Emitter, arow, xrow, nb: int, bsize: int, off_d: int, off_aux: int, block_order: bool):
         b = em.b

@@ -7,18 +7,22 @@ from llamir.backends.llvm.kernels.elementwise import row_part
 from llamir.backends.llvm.kernels.matmul_quant import MatMulQ
 from llamir.backends.llvm.kernels.quant_act import QuantAct, act_layout
 from llamir.backends.llvm.kernels.repack import QFormat, weight_format
+from llamir.backends.llvm.kernels.repack_k import K_FORMATS, KFormat
 from llamir.backends.llvm.lowering import Lowerer
 from llamir.backends.llvm.plan import Buffer, Part
 from llamir.ir import Node
 
 
-def _packable(node: Node) -> QFormat | None:
+def _packable(node: Node) -> QFormat | KFormat | None:
+    """The packed format of a 2-D weight (what ggml would offer CPU_REPACK), or None."""
     a = node.inputs[0]
     if a.kind != "weight" or not a.type.is_concrete or any(d != 1 for d in a.type.shape[:-2]):
         return None
     m_rows, k = a.type.shape[-2], a.type.shape[-1]
+    if a.dtype.name in K_FORMATS:
+        return K_FORMATS[a.dtype.name] if k % 256 == 0 else None
     fmt = weight_format(a.dtype.name, m_rows)
-    if fmt is None or k % (256 if fmt.vdt == "q8_k" else 32):
+    if fmt is None or k % 32:
         return None
     return fmt
 
@@ -51,7 +55,26 @@ def quantized_activation(L: Lowerer, b_node: Node, fmt: QFormat, K: int):
     return buf, n_rows
 
 
-def packed_buffer(L: Lowerer, leaf: Node, fmt: QFormat) -> Buffer:
+def quantized_activation_k(L: Lowerer, b_node: Node, K: int):
+    """b's rows as Q8_K for the K-quant kernels (one buffer shared by every K-quant matmul of b)."""
+    from llamir.backends.llvm.kernels.quant_act import QuantActK, k_act_layout
+
+    key = ("qact", id(b_node), "q8_k:ggml")
+    hit = L.cache.get(key)
+    if hit is not None:
+        return hit
+    b = L.ref(b_node)
+    n_rows = E.prod(b.shape[:-1]) if b.rank > 1 else 1
+    row_bytes = k_act_layout(K)[4]
+    buf = L.scratch(E.mul(n_rows, row_bytes), "q8_k_act")
+    read = row_part(b) if b.is_contiguous else None
+    read = read if read is not None and read.n_units == n_rows else None
+    L.step(QuantActK((buf, 0), b, K), [(buf, 0), b], [b], [buf], Part(buf, 0, row_bytes, n_rows), [read])
+    L.cache[key] = (buf, n_rows)
+    return buf, n_rows
+
+
+def packed_buffer(L: Lowerer, leaf: Node, fmt: QFormat | KFormat) -> Buffer:
     name = f"{leaf.name}|{fmt.name}"
     buf = L.plan.packed.get(name)
     if buf is None:
@@ -67,9 +90,20 @@ def lower_quant_matmul(L: Lowerer, node: Node) -> None:
         return
     a = node.inputs[0]
     m_rows, K = a.type.shape[-2], a.type.shape[-1]
-    act, n_rows = quantized_activation(L, node.inputs[1], fmt, K)
     packed = packed_buffer(L, a, fmt)
     y = L.out(node)
+    if isinstance(fmt, KFormat):
+        from llamir.backends.llvm.kernels.matmul_quant_k import MatMulQK
+        from llamir.ir.repack_x86 import repack_type
+
+        act, _ = quantized_activation_k(L, node.inputs[1], K)
+        shape = L.ref(node.inputs[1]).shape
+        planes = E.prod(shape[:-2]) if len(shape) > 2 else 1
+        rows = shape[-2] if len(shape) > 1 else 1
+        repacked = repack_type(a.dtype, m_rows, L.numerics) is not None
+        L.step(MatMulQK(fmt, K, planes, rows, m_rows, repacked), [y, (packed, 0), (act, 0)], [packed, act], [y])
+        return
+    act, n_rows = quantized_activation(L, node.inputs[1], fmt, K)
     L.step(MatMulQ(fmt, K, n_rows, m_rows), [y, (packed, 0), (act, 0)], [packed, act], [y])
 
 

@@ -133,3 +133,83 @@ class QuantAct(Kernel):
                 em.store(d, dst, em.add(off_d, em.mul(k, 4)))
                 em.store(b.fmul(d, b.sitofp(em.get(total), F32)), dst, em.add(off_aux, em.mul(k, 4)))
                 self._corrections(em, dst, k, sub, off_corr, em.get(total))
+
+
+# -- Q8_K rows for the K-quant kernels (matmul_quant_k.py) ----------------------------------------------
+def k_act_layout(K: int) -> tuple[int, int, int, int, int]:
+    """(nb, off_d, off_bsums, off_pairs, row_bytes) of one Q8_K activation row for MatMulQK:
+
+    qs     K int8 (quantize_row_q8_K_ref)
+    d      nb float32
+    bsums  nb*16 int32: sums of 16 consecutive q
+    pairs  nb*64 int32: per 4-value chunk, 4*(q0+q1) in the low int16 and 4*(q2+q3) in the high
+           one (what Q3_K's +4 offset adds to a vpmaddubsw of that chunk)"""
+    nb = K // 256
+    off_d = K
+    off_bs = off_d + 4 * nb
+    off_pairs = off_bs + 64 * nb
+    row = off_pairs + 256 * nb
+    return nb, off_d, off_bs, off_pairs, -(-row // 64) * 64
+
+
+class QuantActK(Kernel):
+    """Quantize rows of b [.., N, K] (any float type, any row strides) to k_act_layout rows."""
+
+    def __init__(self, out, src: Ref, K: int):
+        src = src.padded()
+        self.K = K
+        self.src_dtype = src.dtype.name
+        self.n_ptrs = 2
+        super().__init__(list(src.shape[:3]) + list(src.strides))
+
+    def config(self) -> tuple:
+        return (self.K, self.src_dtype)
+
+    def emit(self, em: Emitter, a) -> None:
+        from llamir.backends.llvm.kernels.rows import row_pointer
+
+        shape, st = a.ints[0:3], a.ints[3:7]
+        r0, r1 = em.split(em.n_rows(shape), a.ith, a.nth)
+        nb, off_d, off_bs, off_pairs, row_bytes = k_act_layout(self.K)
+        ety = storage_type(self.src_dtype)
+        with em.loop(r0, r1, name="row") as r:
+            src = row_pointer(em, a.ptrs[1], r, shape, st[:3])
+            dst = em.gep(a.ptrs[0], em.mul(r, row_bytes))
+
+            def x_at(i):
+                return em.to_f32(em.load(ety, src, em.mul(i, st[3])), self.src_dtype)
+
+            with em.loop(0, nb, name="sblk") as s:
+                self._super_block(em, x_at, dst, s, off_d, off_bs, off_pairs)
+
+    def _super_block(self, em: Emitter, x_at, dst, s, off_d, off_bs, off_pairs) -> None:
+        b = em.b
+        base = em.mul(s, 256)
+        amax, mx = em.var(F32, em.f32(0.0)), em.var(F32, em.f32(0.0))
+        with em.loop(0, 256, name="max") as j:
+            x = x_at(em.add(base, j))
+            ax = em.intrinsic("llvm.fabs.f32", F32, [x])
+            bigger = b.fcmp_ordered("<", em.get(amax), ax)
+            em.set(amax, b.select(bigger, ax, em.get(amax)))
+            em.set(mx, b.select(bigger, x, em.get(mx)))
+        m = em.get(mx)
+        zero = b.fcmp_ordered("==", m, em.f32(0.0))
+        iscale = b.select(zero, em.f32(0.0), b.fdiv(em.f32(-127.0), m))
+        em.store(b.select(zero, em.f32(0.0), b.fdiv(em.f32(1.0), iscale)), dst, em.add(off_d, em.mul(s, 4)))
+        with em.loop(0, 16, name="sub") as t:
+            total = ir.Constant(I32, 0)
+            for c in range(4):
+                chunk = em.add(em.mul(t, 4), c)
+                q = []
+                for u in range(4):
+                    at = em.add(base, em.add(em.mul(chunk, 4), u))
+                    v = em.intrinsic("llvm.roundeven.f32", F32, [b.fmul(iscale, x_at(at))])
+                    qi = b.fptosi(em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0)), I32)
+                    em.store(b.trunc(qi, I8), dst, at)
+                    q.append(qi)
+                lo = b.shl(b.add(q[0], q[1]), ir.Constant(I32, 2))
+                hi = b.shl(b.add(q[2], q[3]), ir.Constant(I32, 2))
+                pair = b.or_(b.and_(lo, ir.Constant(I32, 0xFFFF)), b.shl(hi, ir.Constant(I32, 16)))
+                em.store(pair, dst, em.add(off_pairs, em.mul(em.add(em.mul(s, 64), chunk), 4)))
+                total = b.add(total, b.add(b.add(q[0], q[1]), b.add(q[2], q[3])))
+            em.store(total, dst, em.add(off_bs, em.mul(em.add(em.mul(s, 16), t), 4)))

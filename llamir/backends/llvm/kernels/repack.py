@@ -1,4 +1,5 @@
-"""Quantized weights repacked for int8 dot products across 16 rows at a time.
+"""Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights repacked for int8 dot products across 16 rows at a time
+(the K-quants have their own layout, repack_k.py).
 
 A weight [M, K] of a GGUF block type becomes groups of 16 rows (M padded with zero rows); each
 (group, block) holds the block's integer values for the 16 rows laid out for vpdpbusd (byte
@@ -9,7 +10,7 @@ unsigned with a fixed offset that the activation side corrects for.
 
 The arithmetic the kernel does per block (see QFormat.order) follows the reference:
 - "block": one integer sum per (row, block), acc = fma(isum, d_w*d_x, acc)  (Q4_0 repacked
-  by ggml; the K-quants, where any order is the reference's);
+  by ggml, q4_0_8x8);
 - "lanes8": ggml's 8 lanes of 4-value sums, acc_l = fma(d_w*d_x, P_l, acc_l), then
   ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (Q8_0, Q4_1, Q5_x, Q4_0 with M % 8 != 0).
 """
@@ -21,8 +22,6 @@ import weakref
 from dataclasses import dataclass
 
 import numpy as np
-
-from llamir.ir import quants
 
 G = 16   # rows per group: one 16-lane vector of outputs
 
@@ -79,11 +78,6 @@ _FORMATS = {
     "q4_1": QFormat("q4_1", 32, "nib", "f16", "f16", "lanes8", "", 0, "q8_1"),
     "q5_0": QFormat("q5_0", 32, "byte", "f16", "", "lanes8", "chunk", 16, "q8_0"),
     "q5_1": QFormat("q5_1", 32, "byte", "f16", "f16", "lanes8", "", 0, "q8_1"),
-    "q4_k": QFormat("q4_k", 32, "nib", "f32", "f32", "block", "", 0, "q8_k"),
-    "q5_k": QFormat("q5_k", 32, "byte", "f32", "f32", "block", "", 0, "q8_k"),
-    "q6_k": QFormat("q6_k", 16, "byte", "f32", "", "block", "block", 32, "q8_k"),
-    "q2_k": QFormat("q2_k", 16, "byte", "f32", "f32", "block", "", 0, "q8_k"),
-    "q3_k": QFormat("q3_k", 16, "byte", "f32", "", "block", "block", 4, "q8_k"),
 }
 
 
@@ -119,48 +113,16 @@ def _split(raw: np.ndarray, fmt: QFormat):
             return _nibbles32(blocks[..., 6:22]) | (_high32(blocks[..., 2:6]) << 4), _f16_bits(blocks, 0), None
         return _nibbles32(blocks[..., 8:24]) | (_high32(blocks[..., 4:8]) << 4), _f16_bits(blocks, 0), \
             _f16_bits(blocks, 2)
-    return _split_k(raw, fmt)
+    raise ValueError(f"no packed layout for {fmt.dtype} weights (K-quants use repack_k.KFormat)")
 
 
-def _split_k(raw: np.ndarray, fmt: QFormat):
-    """K-quants: integer values and f32 sub-block scales (and negated mins) as the reference's
-    dequantisation computes them (d * sc in float32)."""
-    m = raw.shape[0]
-    ts = {"q4_k": 144, "q5_k": 176, "q6_k": 210, "q2_k": 84, "q3_k": 110}[fmt.dtype]
-    b = raw.reshape(-1, ts)
-    f32 = np.float32
-    if fmt.dtype in ("q4_k", "q5_k"):
-        sc, mn = quants.k4_scales_mins(b[:, 4:16])
-        d1 = _f16_f32(b, 0)[:, None] * sc.astype(f32)
-        m1 = _f16_f32(b, 2)[:, None] * mn.astype(f32)
-        qs = 16 if fmt.dtype == "q4_k" else 48
-        q = quants._nibble_pairs(b[:, qs:qs + 128])
-        if fmt.dtype == "q5_k":
-            high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-            q = q + 16 * high
-        return q.reshape(m, -1, 32).astype(np.uint8), d1.reshape(m, -1), (-m1).reshape(m, -1)
-    if fmt.dtype == "q6_k":
-        ql = b[:, 0:128].reshape(-1, 2, 2, 32)
-        low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
-        qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-        q = (low | (qh << 4)).reshape(-1, 16, 16)
-        scale = _f16_f32(b, 208)[:, None] * b[:, 192:208].view(np.int8).astype(f32)
-        return q.reshape(m, -1, 16).astype(np.uint8), scale.reshape(m, -1), None
-    if fmt.dtype == "q2_k":
-        sc = b[:, 0:16]
-        dl = _f16_f32(b, 80)[:, None] * (sc & 0xF).astype(f32)
-        ml = _f16_f32(b, 82)[:, None] * (sc >> 4).astype(f32)
-        q = quants._crumbs(b[:, 16:80])
-        return q.reshape(m, -1, 16).astype(np.uint8), dl.reshape(m, -1), (-ml).reshape(m, -1)
-    dl = _f16_f32(b, 108)[:, None] * (quants._q3_k_scales(b[:, 96:108]) - 32).astype(f32)
-    bits = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    hm = ((b[:, None, 0:32] >> bits) & 1).reshape(-1, 16, 16)
-    q = quants._crumbs(b[:, 32:96]) + 4 * hm           # value q - 4: crumb - 4 * (1 - hbit)
-    return q.reshape(m, -1, 16).astype(np.uint8), dl.reshape(m, -1), None
+def repack(raw: np.ndarray, fmt) -> np.ndarray:
+    """uint8 [n_groups, nb, block_bytes] from a weight's bytes [M, row_bytes] (fmt: a QFormat,
+    or a repack_k.KFormat for the K-quants' ggml orders)."""
+    from llamir.backends.llvm.kernels.repack_k import KFormat, repack_k
 
-
-def repack(raw: np.ndarray, fmt: QFormat) -> np.ndarray:
-    """uint8 [n_groups, nb, block_bytes] from a weight's bytes [M, row_bytes]."""
+    if isinstance(fmt, KFormat):
+        return repack_k(raw, fmt)
     raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
     with np.errstate(invalid="ignore", over="ignore"):
         q, scale, mins = _split(raw, fmt)
@@ -196,7 +158,7 @@ class PackedWeights:
         self._lock = threading.Lock()
         self._cache: dict[tuple, tuple] = {}
 
-    def get(self, raw: np.ndarray, fmt: QFormat) -> np.ndarray:
+    def get(self, raw: np.ndarray, fmt) -> np.ndarray:
         key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, fmt)
         with self._lock:
             hit = self._cache.get(key)

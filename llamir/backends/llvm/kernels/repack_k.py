@@ -1,0 +1,158 @@
+"""K-quant weights (Q2_K..Q6_K) repacked for ggml's integer orders across 16 rows at a time.
+
+A weight [M, K] becomes groups of 16 rows (M padded with zero rows); each (group, super-block of
+256 values) holds, in this order:
+
+    q      64 chunks of 64 bytes: byte 4r+t of chunk c is value 4c+t of row r, unsigned
+           (Q3_K as q+4, Q6_K as q+32: the kernel subtracts the offset times the activation
+           sums). Q4_K packs two chunks per vector: chunk c (c % 8 < 4) in the low nibbles and
+           chunk c+4 in the high ones, so one sub-block's 8 chunks are 4 vectors.
+    sc     S sub-block scales per row, int16 [S][16]   (S = 16 for Q2_K/Q3_K/Q6_K, 8 otherwise)
+    mn     the sub-block mins, int16 [S][16]            (Q2_K, Q4_K, Q5_K)
+    d      the super-block's fp16 d as float32 [16]
+    dmin   its fp16 dmin as float32 [16]                (Q2_K, Q4_K, Q5_K)
+
+The integers are ggml's own (sc*q summed exactly in int32); the kernel (matmul_quant_k.py) then
+applies each ggml kernel's float order to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamir.ir import quants
+
+G = 16
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class KFormat:
+    dtype: str      # "q2_k" | "q3_k" | "q4_k" | "q5_k" | "q6_k"
+
+    @property
+    def subs(self) -> int:
+        """Sub-blocks per super-block."""
+        return 8 if self.dtype in ("q4_k", "q5_k") else 16
+
+    @property
+    def chunks_per_sub(self) -> int:
+        return 64 // self.subs
+
+    @property
+    def nibbles(self) -> bool:
+        return self.dtype == "q4_k"
+
+    @property
+    def has_min(self) -> bool:
+        return self.dtype in ("q2_k", "q4_k", "q5_k")
+
+    @property
+    def offset(self) -> int:
+        """What the stored unsigned value exceeds the signed one by."""
+        return {"q3_k": 4, "q6_k": 32}.get(self.dtype, 0)
+
+    @property
+    def q_bytes(self) -> int:
+        return 2048 if self.nibbles else 4096
+
+    @property
+    def off_sc(self) -> int:
+        return self.q_bytes
+
+    @property
+    def off_mn(self) -> int:
+        return self.off_sc + 32 * self.subs
+
+    @property
+    def off_d(self) -> int:
+        return self.off_mn + (32 * self.subs if self.has_min else 0)
+
+    @property
+    def off_dmin(self) -> int:
+        return self.off_d + 4 * G
+
+    @property
+    def block_bytes(self) -> int:
+        return self.off_dmin + (4 * G if self.has_min else 0)
+
+    @property
+    def vdt(self) -> str:
+        return "q8_k"
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}:ggml"
+
+
+K_FORMATS = {name: KFormat(name) for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")}
+_TYPE_SIZE = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+
+
+def _f16(b: np.ndarray, off: int) -> np.ndarray:
+    return np.ascontiguousarray(b[:, off:off + 2]).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _values(b: np.ndarray, dtype: str):
+    """Blocks [n, type_size] -> (q uint8 [n, 256] stored values, sc int16 [n, S], mn int16 [n, S] | None,
+    d f32 [n], dmin f32 [n] | None)."""
+    bits = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    if dtype == "q2_k":
+        return (quants._crumbs(b[:, 16:80]).reshape(-1, QK_K), (b[:, 0:16] & 0xF).astype(np.int16),
+                (b[:, 0:16] >> 4).astype(np.int16), _f16(b, 80), _f16(b, 82))
+    if dtype == "q3_k":
+        hm = ((b[:, None, 0:32] >> bits) & 1).reshape(-1, 16, 16)
+        q = quants._crumbs(b[:, 32:96]) + 4 * hm                                  # q + 4, 0..7
+        return q.reshape(-1, QK_K), (quants._q3_k_scales(b[:, 96:108]) - 32).astype(np.int16), None, \
+            _f16(b, 108), None
+    if dtype in ("q4_k", "q5_k"):
+        sc, mn = quants.k4_scales_mins(b[:, 4:16])
+        qs = 16 if dtype == "q4_k" else 48
+        q = quants._nibble_pairs(b[:, qs:qs + 128])
+        if dtype == "q5_k":
+            q = q + 16 * ((b[:, None, 16:48] >> bits) & 1)
+        return q.reshape(-1, QK_K), sc.astype(np.int16), mn.astype(np.int16), _f16(b, 0), _f16(b, 2)
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
+    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low | (qh << 4)).reshape(-1, QK_K)                                        # q + 32, 0..63
+    return q, b[:, 192:208].view(np.int8).astype(np.int16), None, _f16(b, 208), None
+
+
+def _pad_rows(a: np.ndarray, groups: int) -> np.ndarray:
+    pad = groups * G - a.shape[0]
+    return a if not pad else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+
+
+def repack_k(raw: np.ndarray, fmt: KFormat) -> np.ndarray:
+    """uint8 [n_groups, nb, block_bytes] from a K-quant weight's bytes [M, row_bytes]."""
+    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
+    m = raw.shape[0]
+    size = _TYPE_SIZE[fmt.dtype]
+    if raw.shape[1] % size:
+        raise ValueError(f"{fmt.dtype} rows of {raw.shape[1]} bytes are not whole {size}-byte blocks")
+    nb = raw.shape[1] // size
+    with np.errstate(invalid="ignore", over="ignore"):
+        q, sc, mn, d, dmin = _values(raw.reshape(-1, size), fmt.dtype)
+    groups = -(-m // G)
+    q = _pad_rows(q.reshape(m, nb, 64, 4), groups).reshape(groups, G, nb, 64, 4).transpose(0, 2, 3, 1, 4)
+    if fmt.nibbles:  # [g, nb, 8 (c // 8), 2 (low: c % 8 < 4, high), 4, 16, 4]
+        q = q.reshape(groups, nb, 8, 2, 4, G, 4)
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
+    parts = [np.ascontiguousarray(q, dtype=np.uint8).reshape(groups, nb, -1)]
+    for arr in (sc, mn):
+        if arr is not None:
+            arr = _pad_rows(arr.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs)
+            parts.append(np.ascontiguousarray(arr.transpose(0, 2, 3, 1), dtype="<i2").view(np.uint8)
+                         .reshape(groups, nb, -1))
+    for arr in (d, dmin):
+        if arr is not None:
+            arr = _pad_rows(arr.reshape(m, nb), groups).reshape(groups, G, nb)
+            parts.append(np.ascontiguousarray(arr.transpose(0, 2, 1), dtype="<f4").view(np.uint8)
+                         .reshape(groups, nb, -1))
+    out = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    if out.shape[-1] != fmt.block_bytes:
+        raise AssertionError(f"{fmt.dtype}: packed {out.shape[-1]} bytes per block, expected {fmt.block_bytes}")
+    return out
