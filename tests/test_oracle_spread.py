@@ -17,7 +17,6 @@ from llamir.frontend.synth import SynthSpec, write_model
 from llamir.testing import LlamaCppOracle, nmse
 
 pytestmark = pytest.mark.llama_cpp
-pytest.importorskip("llama_cpp")
 
 ARCHS = ("llama", "qwen2", "qwen3")
 N_TOKENS = 40

@@ -13,6 +13,7 @@ import llamir
 from llamir.cli import main
 from llamir.frontend.synth import SynthSpec, write_model
 from llamir.ir import parse_graph
+from llamir.testing.llama_cpp import LlamaCppOracle, oracle_numerics
 
 
 @pytest.fixture(scope="module")
@@ -20,16 +21,17 @@ def model_path(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("cli") / "m.gguf", SynthSpec(arch="qwen3", n_layer=2, dtype="q8_0"))
 
 
-def test_logits_writes_every_position(model_path, tmp_path, capsys):
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("backend", ["llvm", "numpy"])
+def test_logits_writes_every_position(model_path, tmp_path, capsys, backend):
+    """llama.cpp's logits of the same batch, bit for bit with the oracle build's --numerics."""
     out = tmp_path / "logits.npy"
-    assert main(["logits", str(model_path), "--tokens", "5,6,7,8", "--out", str(out)]) == 0
+    assert main(["logits", str(model_path), "--tokens", "5,6,7,8", "--out", str(out), "--backend", backend,
+                 "--numerics", oracle_numerics().name]) == 0
     got = np.load(out)
     assert got.dtype == np.float32 and got.shape == (4, 512)
-    model = llamir.load_model(model_path)
-    ctx = llamir.Context(model, n_ctx=512, flash_attn="off")
-    for i, t in enumerate([5, 6, 7, 8]):  # independent feeding: one token at a time
-        assert ctx.decode(llamir.Batch.from_tokens([t], pos0=i)) == 0
-        np.testing.assert_allclose(got[i], ctx.get_logits_ith(-1), atol=1e-4)
+    with LlamaCppOracle(model_path, n_ctx=512) as o:
+        np.testing.assert_array_equal(got, o.eval_logits([5, 6, 7, 8], "batch"))
 
 
 def test_logits_rejects_bad_tokens(model_path, tmp_path, capsys):
@@ -55,29 +57,29 @@ def test_tokenize_ids_is_a_json_list(model_path, capsys):
     assert ids == llamir.load_model(model_path).vocab.tokenize("Hello world", True, True)
 
 
+@pytest.mark.llama_cpp
 def test_tokenize_ids_matches_llama_cpp(model_path, capsys):
-    oracle = pytest.importorskip("llamir.testing.llama_cpp")
-    pytest.importorskip("llama_cpp")
     text = "<|im_start|>user 12345  spaces\tand ünïcode<|im_end|>"
     assert main(["tokenize", str(model_path), text, "--ids"]) == 0
-    with oracle.LlamaCppOracle(model_path, n_ctx=256) as o:
+    with LlamaCppOracle(model_path, n_ctx=256) as o:
         assert json.loads(capsys.readouterr().out) == o.tokenize(text, add_special=True, parse_special=True)
 
 
+@pytest.mark.llama_cpp
 def test_run_greedy_continues_the_prompt(model_path, capsys):
-    assert main(["run", str(model_path), "-p", "Hello", "-n", "5", "--temp", "0"]) == 0
+    """`run --temp 0` prints the prompt and llama.cpp's greedy continuation (up to an end-of-generation token)."""
+    assert main(["run", str(model_path), "-p", "Hello", "-n", "5", "--temp", "0",
+                 "--numerics", oracle_numerics().name]) == 0
     printed = capsys.readouterr().out
     model = llamir.load_model(model_path)
-    ctx = llamir.Context(model, n_ctx=2048, flash_attn="off")
     tokens = model.vocab.tokenize("Hello", True, True)
-    assert ctx.decode(llamir.Batch.from_tokens(tokens)) == 0
+    with LlamaCppOracle(model_path, n_ctx=2048) as o:
+        greedy = o.greedy(tokens, 5)
     out = []
-    for i in range(5):
-        t = int(np.argmax(ctx.get_logits_ith(-1)))
+    for t in greedy:
         if model.vocab.is_eog(t):
             break
         out.append(t)
-        assert ctx.decode(llamir.Batch.from_tokens([t], pos0=len(tokens) + i)) == 0
     assert printed == "Hello" + model.vocab.detokenize(out) + "\n"
 
 

@@ -7,6 +7,7 @@ import pytest
 
 import llamir
 from llamir.frontend.synth import SynthSpec, write_model
+from llamir.testing.llama_cpp import LlamaCppOracle, oracle_numerics
 
 TOKENS = [5, 6, 7, 8, 9, 10, 11, 12]
 POS = [0, 1, 2, 3, 4, 0, 1, 2]
@@ -18,10 +19,10 @@ def model_path(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("embd") / "m.gguf", SynthSpec(arch="qwen2", n_layer=2, dtype="q8_0"))
 
 
-def _ours(model, pooling, causal, unified=False, encode=False, flash_attn="off", type_kv="f16"):
+def _ours(model, pooling, causal, unified=False, encode=False, flash_attn="off", type_kv="f16", backend="numpy"):
     ctx = llamir.Context(model, n_ctx=256, n_seq_max=2, kv_unified=unified, embeddings=True, pooling_type=pooling,
                          attention_type="causal" if causal else "non-causal", flash_attn=flash_attn,
-                         type_k=type_kv, type_v=type_kv)
+                         type_k=type_kv, type_v=type_kv, backend=backend, numerics=oracle_numerics())
     batch = llamir.Batch(tokens=TOKENS, pos=POS, seq_ids=SEQS)
     assert (ctx.encode(batch) if encode else ctx.decode(batch)) == 0, ctx.last_error
     if pooling == "none":
@@ -30,13 +31,12 @@ def _ours(model, pooling, causal, unified=False, encode=False, flash_attn="off",
 
 
 @pytest.mark.llama_cpp
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
 @pytest.mark.parametrize("pooling", ["none", "mean", "cls", "last"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_pooled_embeddings_match_llama_cpp(model_path, nmse, pooling, causal):
-    oracle = pytest.importorskip("llamir.testing.llama_cpp")
-    pytest.importorskip("llama_cpp")
-    ours = _ours(llamir.load_model(model_path), pooling, causal)
-    with oracle.LlamaCppOracle(model_path, n_ctx=256, n_seq_max=2, embeddings=True, pooling=pooling,
+def test_pooled_embeddings_match_llama_cpp(model_path, nmse, pooling, causal, backend):
+    ours = _ours(llamir.load_model(model_path), pooling, causal, backend=backend)
+    with LlamaCppOracle(model_path, n_ctx=256, n_seq_max=2, embeddings=True, pooling=pooling,
                                causal=causal) as o:
         assert o.decode_batch(TOKENS, POS, SEQS, [True] * len(TOKENS)) == 0
         if pooling == "none":

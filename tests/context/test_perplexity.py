@@ -1,7 +1,7 @@
 """Perplexity as llama-perplexity computes it, against llama.cpp scoring the same chunks.
 
-The issue's bounds are 1% on the Q4_1 file (llama.cpp quantizes activations) and 0.1% on its
-dequantized F32 rewrite; llamir emulates ggml's arithmetic, so the figures agree far closer.
+llamir runs the oracle build's numerics profile (ggml's activation quantization and accumulation
+orders), so the figures are llama.cpp's exactly, on the Q4_1 file and on its F32 rewrite.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import llamir
 from llamir.context.perplexity import chunk_plan, perplexity
 from llamir.frontend.default_model import default_model_path, smollm2_truncated
+from llamir.testing.llama_cpp import llama_cpp_perplexity, oracle_numerics
 
 TEXT = (Path(__file__).parent.parent / "data" / "ppl_text.txt").read_text()
 
@@ -22,25 +23,24 @@ def _ours(model, tokens, n_ctx, n_batch, n_chunks=-1, backend="numpy"):
 
     def make(n, b, s):
         return llamir.Context(model, n_ctx=n, n_batch=b, n_ubatch=min(512, b), n_seq_max=s, flash_attn="off",
-                              backend=backend)
+                              backend=backend, numerics=oracle_numerics())
 
     return perplexity(make, tokens, bos, n_ctx, n_batch, n_chunks)
 
 
 def _theirs(path, model, tokens, n_ctx, n_batch, n_chunks=-1):
-    oracle = pytest.importorskip("llamir.testing.llama_cpp")
-    pytest.importorskip("llama_cpp")
     bos = model.vocab.bos if model.vocab.add_bos else None
-    return oracle.llama_cpp_perplexity(path, tokens, bos, n_ctx, n_batch, n_chunks=n_chunks, flash_attn=False)
+    return llama_cpp_perplexity(path, tokens, bos, n_ctx, n_batch, n_chunks=n_chunks, flash_attn=False)
 
 
 @pytest.mark.llama_cpp
-def test_smollm2_first_layers_perplexity_is_llama_cpps_exactly():
-    """The exact numpy reference gives llama.cpp's perplexity to the last bit."""
+@pytest.mark.parametrize("backend", ["numpy", "llvm"])
+def test_smollm2_first_layers_perplexity_is_llama_cpps_exactly(backend):
+    """Both backends, with the oracle build's numerics, give llama.cpp's perplexity to the last bit."""
     path = smollm2_truncated(4)
     model = llamir.load_model(path)
     tokens = model.vocab.tokenize(TEXT, add_special=True, parse_special=False)
-    ours = _ours(model, tokens, 128, 256, n_chunks=4)
+    ours = _ours(model, tokens, 128, 256, n_chunks=4, backend=backend)
     theirs = _theirs(path, model, tokens, 128, 256, n_chunks=4)
     assert ours.n_chunks == theirs.n_chunks == 4
     assert ours.ppl == theirs.ppl and ours.running == theirs.running
@@ -48,17 +48,17 @@ def test_smollm2_first_layers_perplexity_is_llama_cpps_exactly():
 
 @pytest.mark.slow
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("dtype,bound", [(None, 0.01), ("f32", 0.001)])
-def test_smollm2_full_model_perplexity_matches_llama_cpp(dtype, bound):
-    """The issue's bounds: 1% on the Q4_1 file, 0.1% on its dequantized F32 rewrite (run on the
-    fast numpy backend: BLAS matmuls, within float32 rounding of ggml's order)."""
+@pytest.mark.parametrize("dtype", [None, "f32"], ids=["q4_1", "f32"])
+def test_smollm2_full_model_perplexity_is_llama_cpps_exactly(dtype):
+    """The whole model, Q4_1 and its dequantized F32 rewrite, on the LLVM backend: every chunk's
+    running perplexity is llama.cpp's to the last bit."""
     path = default_model_path(progress=False) if dtype is None else smollm2_truncated(30, dtype)
     model = llamir.load_model(path)
     tokens = model.vocab.tokenize(TEXT, add_special=True, parse_special=False)
-    ours = _ours(model, tokens, 128, 512, backend="numpy-fast")
+    ours = _ours(model, tokens, 128, 512, backend="llvm")
     theirs = _theirs(path, model, tokens, 128, 512)
     assert ours.n_chunks == theirs.n_chunks == len(tokens) // 128
-    assert abs(ours.ppl / theirs.ppl - 1) < bound
+    assert ours.ppl == theirs.ppl and ours.running == theirs.running
     assert 5 < ours.ppl < 100  # a real model on real English
 
 

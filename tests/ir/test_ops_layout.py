@@ -311,7 +311,6 @@ def test_cpy_i32_to_f32():
 
 
 def test_cpy_to_q8_0_with_exactly_representable_blocks():
-    pytest.importorskip("llamir.ir.quants")
     rng = np.random.default_rng(11)
     scales = np.array([0.5, 0.25], dtype=f32)            # f16-exact block scales
     q = rng.integers(-127, 128, (2, 32)).astype(np.int8)
@@ -325,7 +324,6 @@ def test_cpy_to_q8_0_with_exactly_representable_blocks():
 
 
 def test_cpy_q8_0_to_f32_dequantizes():
-    pytest.importorskip("llamir.ir.quants")
     rng = np.random.default_rng(12)
     d = rng.uniform(0.01, 2, (3, 2)).astype(f16)
     q = rng.integers(-128, 128, (3, 2, 32)).astype(np.int8)

@@ -120,7 +120,6 @@ def _q8_0_bytes(d: np.ndarray, q: np.ndarray) -> np.ndarray:
 def test_mul_mat_q8_0_closed_form(nmse):
     """Activations that q8_0 represents exactly (power-of-two scales, amax = 127 d), so ggml's
     product is sum_blocks d_a d_b sum(q_a q_b), whatever its rounding mode."""
-    pytest.importorskip("llamir.ir.quants")
     rng = np.random.default_rng(9)
     d_a = rng.uniform(0.01, 0.1, (5, 2)).astype(f16)
     q_a = rng.integers(-127, 128, (5, 2, 32))
@@ -135,7 +134,6 @@ def test_mul_mat_q8_0_closed_form(nmse):
 
 
 def test_mul_mat_q8_0_random_activations_within_quantization_noise(nmse):
-    pytest.importorskip("llamir.ir.quants")
     rng = np.random.default_rng(10)
     d_a = rng.uniform(0.01, 0.1, (7, 3)).astype(f16)
     q_a = rng.integers(-127, 128, (7, 3, 32))
@@ -148,7 +146,6 @@ def test_mul_mat_q8_0_random_activations_within_quantization_noise(nmse):
 
 @pytest.mark.parametrize("dtype", [F16, Q8_0])
 def test_mul_mat_with_weight_cache_matches_a_fresh_interpreter(dtype):
-    pytest.importorskip("llamir.ir.quants")
     from llamir.ir.interp import Interpreter
 
     rng = np.random.default_rng(30)
@@ -239,7 +236,6 @@ def test_get_rows_from_a_view_of_a_larger_buffer():
 
 
 def test_get_rows_q8_0_dequantizes():
-    pytest.importorskip("llamir.ir.quants")
     rng = np.random.default_rng(19)
     d = rng.uniform(0.01, 2, (6, 2)).astype(f16)
     q = rng.integers(-128, 128, (6, 2, 32))

@@ -8,7 +8,7 @@ import pytest
 
 from llamir.frontend.synth import SynthSpec, write_model
 
-pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.llama_cpp
 
 
 def _bench_module():
