@@ -134,6 +134,8 @@ def test_random_operations_keep_memory_consistent(model, program):
             if status == 0:
                 for s in (0, 1):
                     ref.add(s, range(ref.pos_max(s) + 1, nxt[s]))
+            else:
+                assert status == 1, ctx.last_error  # only a full cache may refuse
         elif op == "seq_rm":
             s, p0, p1 = args
             assert ctx.memory.seq_rm(s, p0, p1) is True

@@ -110,8 +110,7 @@ def test_observe_stop_does_not_crash_on_unevaluated_outputs():
     a = g.silu(g.input("x", [2], F32), name="a")
     g.output("a", a)
     g.output("y", g.unary("exp", a, name="c"))
-    try:
-        out = Interpreter().run(g.graph, {"x": np.ones(2, np.float32)}, observe=lambda n, v: n.name != "a")
-    except InterpError:
-        return                                   # a clear "stopped by observe" error is fine
-    assert "y" not in out and "a" in out         # or the outputs computed so far
+    # as ggml_backend_sched_compute_splits: a callback returning false ends the computation, which
+    # still succeeds; the outputs computed so far come back
+    out = Interpreter().run(g.graph, {"x": np.ones(2, np.float32)}, observe=lambda n, v: n.name != "a")
+    assert "y" not in out and "a" in out
