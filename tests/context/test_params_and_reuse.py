@@ -90,3 +90,33 @@ def test_eval_callback_sees_named_tensors(model):
     assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3])) == 0
     assert {"attn_norm-0", "attn_norm-1"} <= set(seen) and "result_output" in asked
     assert seen["attn_norm-0"].shape == (3, 64)
+
+
+def test_backend_defaults_and_thread_counts(model):
+    """The default CPU backend is llvm (as the CLI's); a backend instance keeps its own thread count
+    unless n_threads is asked for; by name, the backend gets the affinity count."""
+    import os
+
+    from llamir.backends.llvm import LLVMBackend
+    from llamir.ir.numerics import host_numerics
+
+    ctx = llamir.Context(model)
+    assert ctx.backend.name == "llvm" and ctx.backend.numerics == host_numerics()
+    assert ctx.cparams.n_threads == ctx.backend.n_threads == len(os.sched_getaffinity(0))
+    one = LLVMBackend(n_threads=1, disk_cache=False)
+    assert llamir.Context(model, backend=one).backend.n_threads == 1
+    assert llamir.Context(model, backend=one, n_threads=2).backend.n_threads == 2
+    assert llamir.Context(model, backend="numpy", n_threads=3).backend.n_threads == 3
+    one.close()
+
+
+def test_numerics_choice(model):
+    from llamir.backends.numpy import NumpyBackend
+
+    ctx = llamir.Context(model, backend="numpy", numerics="avx2")
+    assert ctx.backend.numerics.name == "avx2"
+    assert llamir.Context(model, backend=NumpyBackend(numerics="avx2"), numerics="avx2").backend.numerics.name == "avx2"
+    with pytest.raises(ContextParamsError, match="numerics=avx512 was asked for, but the backend numpy reproduces avx2"):
+        llamir.Context(model, backend=NumpyBackend(numerics="avx2"), numerics="avx512")
+    with pytest.raises(ValueError, match="unknown numerics profile 'sse'; choose one of avx512, avx2"):
+        llamir.Context(model, backend="numpy", numerics="sse")
