@@ -116,7 +116,7 @@ def test_numerics_choice(model):
     ctx = llamir.Context(model, backend="numpy", numerics="avx2")
     assert ctx.backend.numerics.name == "avx2"
     assert llamir.Context(model, backend=NumpyBackend(numerics="avx2"), numerics="avx2").backend.numerics.name == "avx2"
-    with pytest.raises(ContextParamsError, match="numerics=avx512 was asked for, but the backend numpy reproduces avx2"):
+    with pytest.raises(ContextParamsError, match="numerics=avx512 was asked for, but the backend numpy reproduces"):
         llamir.Context(model, backend=NumpyBackend(numerics="avx2"), numerics="avx512")
     with pytest.raises(ValueError, match="unknown numerics profile 'sse'; choose one of avx512, avx2"):
         llamir.Context(model, backend="numpy", numerics="sse")
