@@ -106,7 +106,7 @@ class Context:
         """llama_model::create_memory: no memory for non-causal encoders, iSWA for window models."""
         hp, cp = self.model.hparams, self.cparams
         common = dict(n_seq_max=cp.n_seq_max, unified=cp.kv_unified, type_k=cp.type_k, type_v=cp.type_v,
-                      v_trans=not cp.flash_attn)
+                      v_trans=not cp.flash_attn, attn_rot=cp.attn_rot)
         if hp.n_swa and any(hp.swa_layers):
             return KVCacheISWA(hp, cp.n_ctx_seq, swa_full=cp.swa_full, n_ubatch=cp.n_ubatch, **common)
         return KVCache(hp, cp.n_ctx_seq, **common)

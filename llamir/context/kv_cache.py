@@ -121,23 +121,43 @@ class SlotInfo:
         return len(self.strm)
 
 
+def attn_rot_sizes(hp: HParams, layers: tuple[int, ...], type_k: DType, type_v: DType,
+                   allowed: bool = True) -> tuple[int, int]:
+    """llama_kv_cache's attn_rot_k / attn_rot_v and the Hadamard sizes of build_input_k_rot /
+    build_input_v_rot: a quantized K (V) of a head size that is a multiple of 64 is rotated, K by
+    the largest power of two from 64 up that divides the head size, V always by 64 (0: no rotation).
+    `allowed` is False under LLAMA_ATTN_ROT_DISABLE."""
+    if not allowed or not layers:  # n_embd_head_k_all == 0: a cache without layers
+        return 0, 0
+    rot_k = rot_v = 0
+    if type_k.is_quantized and hp.n_embd_head_k % 64 == 0:
+        rot_k = 64
+        while hp.n_embd_head_k % (rot_k * 2) == 0:
+            rot_k *= 2
+    if type_v.is_quantized and hp.n_embd_head_v % 64 == 0:
+        rot_v = 64
+    return rot_k, rot_v
+
+
 class KVCache:
     """K and V buffers for every attention layer, plus the cell metadata of each stream."""
 
     def __init__(self, hp: HParams, kv_size: int, n_seq_max: int, unified: bool = True,
                  type_k: DType = F16, type_v: DType = F16, v_trans: bool = True,
                  n_swa: int = 0, swa_type: str = "none", layers: tuple[int, ...] | None = None,
-                 suffix: str = ""):
+                 suffix: str = "", attn_rot: bool = True):
+        """`attn_rot`: whether a quantized cache may be Hadamard-rotated (CParams.attn_rot)."""
         self.hp = hp
         self.kv_size = kv_size
         self.n_seq_max = n_seq_max
         self.unified = unified
         self.n_stream = 1 if unified else n_seq_max
         self.n_swa, self.swa_type = n_swa, swa_type
+        layers = tuple(range(hp.n_layer)) if layers is None else tuple(layers)
+        rot_k, rot_v = attn_rot_sizes(hp, layers, type_k, type_v, attn_rot)
+        log.info("attn_rot_k = %d, attn_rot_v = %d (%s cache)", rot_k, rot_v, suffix or "main")
         self.layout = KVLayout(kv_size=kv_size, type_k=type_k, type_v=type_v, v_trans=v_trans,
-                               n_stream=self.n_stream,
-                               layers=tuple(range(hp.n_layer)) if layers is None else tuple(layers),
-                               suffix=suffix)
+                               n_stream=self.n_stream, layers=layers, suffix=suffix, rot_k=rot_k, rot_v=rot_v)
         n_seq_cols = LLAMA_MAX_SEQ if unified else n_seq_max
         self.v_cells = [KVCells(kv_size, n_seq_cols) for _ in range(self.n_stream)]
         self.v_heads = [0] * self.n_stream

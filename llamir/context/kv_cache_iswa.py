@@ -23,12 +23,13 @@ class KVCacheISWA:
     """Base cache (non-SWA layers) + SWA cache (window layers, a "_swa" input suffix)."""
 
     def __init__(self, hp: HParams, kv_size: int, n_seq_max: int, unified: bool, type_k: DType, type_v: DType,
-                 v_trans: bool, swa_full: bool, n_ubatch: int):
+                 v_trans: bool, swa_full: bool, n_ubatch: int, attn_rot: bool = True):
         self.unified = unified
         base_layers = tuple(il for il in range(hp.n_layer) if not hp.is_swa(il))
         swa_layers = tuple(il for il in range(hp.n_layer) if hp.is_swa(il))
         size_swa = kv_size if swa_full else pad(min(kv_size, hp.n_swa * (n_seq_max if unified else 1) + n_ubatch), 256)
-        common = dict(n_seq_max=n_seq_max, unified=unified, type_k=type_k, type_v=type_v, v_trans=v_trans)
+        common = dict(n_seq_max=n_seq_max, unified=unified, type_k=type_k, type_v=type_v, v_trans=v_trans,
+                      attn_rot=attn_rot)
         self.base = KVCache(hp, kv_size, layers=base_layers, **common)
         self.swa = KVCache(hp, size_swa, n_swa=hp.n_swa, swa_type=hp.swa_type, layers=swa_layers, suffix="_swa",
                            **common)

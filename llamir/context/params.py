@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, replace
 
 from llamir.context.batch import LLAMA_MAX_SEQ
@@ -77,6 +78,7 @@ class CParams:
     swa_full: bool
     no_perf: bool
     graph_reuse: bool
+    attn_rot: bool = True     # a quantized KV cache may be Hadamard-rotated (off: LLAMA_ATTN_ROT_DISABLE)
 
     def with_flash_attn(self, on: bool) -> CParams:
         return replace(self, flash_attn=on, auto_fa=False)
@@ -132,9 +134,18 @@ def resolve(p: ContextParams, hp: HParams) -> CParams:
                               p.yarn_orig_ctx)
     reuse_env = os.environ.get("LLAMIR_GRAPH_REUSE_DISABLE")
     graph_reuse = not (reuse_env and reuse_env.strip() not in ("", "0"))
+    attn_rot = not c_atoi(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0"))   # llama_kv_cache reads it so
+    if not attn_rot:
+        log.warning("attention rotation force disabled (LLAMA_ATTN_ROT_DISABLE)")
     return CParams(
         n_ctx=n_ctx, n_ctx_seq=n_ctx_seq, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max,
         n_threads=max(0, p.n_threads), kv_unified=p.kv_unified, type_k=type_k, type_v=type_v,
         flash_attn=flash, auto_fa=flash_mode == "auto", embeddings=p.embeddings, pooling_type=pooling,
         causal_attn=causal, rope=rope, op_offload=p.op_offload, offload_kqv=p.offload_kqv,
-        swa_full=p.swa_full, no_perf=p.no_perf, graph_reuse=graph_reuse)
+        swa_full=p.swa_full, no_perf=p.no_perf, graph_reuse=graph_reuse, attn_rot=attn_rot)
+
+
+def c_atoi(text: str) -> int:
+    """C's atoi: leading whitespace, an optional sign, then digits; anything else ends it (0 if none)."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return int(m.group(1)) if m else 0

@@ -117,9 +117,10 @@ class GraphContext:
             self.kv = NoCacheGraph(self.b, tokens, config.flash_attn)
             self.kv_swa = NoCacheGraph(self.b, tokens, config.flash_attn, "_swa") if self.hp.n_swa else None
         else:
-            self.kv = KVGraph(self.b, self.hp, config.kv, tokens, self.n_kv, config.flash_attn)
-            self.kv_swa = (KVGraph(self.b, self.hp, config.kv_swa, tokens, sym("n_kv_swa"), config.flash_attn)
-                           if config.kv_swa is not None else None)
+            iswa = config.kv_swa is not None
+            self.kv = KVGraph(self.b, self.hp, config.kv, tokens, self.n_kv, config.flash_attn, iswa)
+            self.kv_swa = (KVGraph(self.b, self.hp, config.kv_swa, tokens, sym("n_kv_swa"), config.flash_attn,
+                                   iswa) if iswa else None)
 
     # -- weights ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:

@@ -8,14 +8,20 @@ A ubatch uses `ns` consecutive streams from `s0`, with T_s tokens each (T = ns *
 cache has one stream, so ns = 1, s0 = 0 and T_s = T. The runtime cells live in the context
 layer, which fills the inputs declared here (attn_inp_k_idxs, attn_inp_v_idxs, attn_inp_kq_mask,
 with a "_swa" suffix for the sliding-window cache of an iSWA model).
+
+A quantized cache may be Hadamard-rotated (llama_kv_cache's attn_rot_k / attn_rot_v, decided by
+the context layer and carried by KVLayout.rot_k / rot_v): q and k, v, and the attention output
+go through mul_mat_hadamard where llm_graph_context::build_attn applies llama_mul_mat_hadamard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from llamir.frontend.hparams import HParams
-from llamir.ir import F16, F32, I32, I64, DType, GraphBuilder, Node, dims
+from llamir.ir import F16, F32, I32, I64, DType, GraphBuilder, Node, dims, ops
 from llamir.ir.dims import Dim
 
 
@@ -30,6 +36,8 @@ class KVLayout:
     n_stream: int = 1
     layers: tuple[int, ...] = ()
     suffix: str = ""          # "" for the main cache, "_swa" for an iSWA model's window cache
+    rot_k: int = 0            # Hadamard size q and k are rotated by (attn_rot_k), 0: none
+    rot_v: int = 0            # the same for v and the attention output (attn_rot_v)
 
     def k_shape(self, hp: HParams, il: int) -> tuple[int, int, int]:
         return (self.n_stream, self.kv_size, hp.n_embd_k_gqa(il))
@@ -60,6 +68,34 @@ def cache_k_name(il: int) -> str:
 
 def cache_v_name(il: int) -> str:
     return f"cache_v_l{il}"
+
+
+def mul_mat_hadamard(b: GraphBuilder, x: Node, n: int) -> Node:
+    """llama_mul_mat_hadamard(x, rot[n, n]): every run of n values of x times the orthonormal
+    Walsh-Hadamard matrix, in the arithmetic of ggml's CPU backend. That mul_mat carries
+    GGML_HINT_SRC0_IS_HADAMARD, so ggml_compute_forward_fwht runs instead of a matmul, never
+    reading rot: each value is scaled by 1.0f/sqrtf(n), then butterflied (u + v, u - v) with the
+    partner `len` away, len = 1, 2, 4, .., n/2 (the SIMD passes give the same single roundings)."""
+    shape = x.shape
+    if not isinstance(shape[-1], int) or shape[-1] % n:
+        raise ValueError(f"a Hadamard rotation of size {n} needs rows that are a multiple of it, got {x.type}")
+    rows = dims.div(dims.prod(shape), n)
+    if x.is_op(ops.View, ops.Permute, ops.Transpose):
+        cur = b.cont(x, rows, n)                                          # ggml_cont_2d
+    else:
+        cur = b.reshape(x, rows, n)                                       # ggml_reshape_2d: [R, n]
+    cur = b.scale(cur, float(np.float32(1.0) / np.sqrt(np.float32(n))))
+    half = 1
+    while half < n:
+        pairs = b.reshape(cur, rows, n // (2 * half), 2, half)            # [R, B, 2, len]
+        strides = [n * 4, 2 * half * 4, 4]
+        u = b.view(pairs, [rows, n // (2 * half), half], strides, 0)      # [R, B, len]
+        v = b.view(pairs, [rows, n // (2 * half), half], strides, half * 4)
+        total = b.reshape(b.add(u, v), rows, n // (2 * half), 1, half)
+        diff = b.reshape(b.sub(u, v), rows, n // (2 * half), 1, half)
+        cur = b.reshape(b.concat(total, diff, axis=2), rows, n)
+        half *= 2
+    return b.reshape(cur, *shape)                                         # ggml_reshape_4d
 
 
 class AttentionGraph:
@@ -101,9 +137,10 @@ class KVGraph(AttentionGraph):
     """The KV-cache part of one graph for one cache (the main one, or the SWA one)."""
 
     def __init__(self, b: GraphBuilder, hp: HParams, layout: KVLayout, tokens: TokenDims, n_kv: Dim,
-                 flash_attn: bool):
+                 flash_attn: bool, iswa: bool = False):
         super().__init__(b, tokens, flash_attn)
         self.hp, self.layout, self.n_kv = hp, layout, n_kv
+        self.iswa = iswa          # build_attn for llm_graph_input_attn_kv_iswa (k rotated before v)
         self._inputs: dict[str, Node] = {}
 
     # -- inputs -------------------------------------------------------------------------------
@@ -177,10 +214,22 @@ class KVGraph(AttentionGraph):
 
     def attend(self, il: int, q: Node, k_cur: Node, v_cur: Node, kq_scale: float, max_bias: float = 0.0,
                softcap: float = 0.0) -> Node:
-        """Store this ubatch's k/v, then attend q [T, H, d] over the cache -> [T, H*dv]."""
+        """Store this ubatch's k/v, then attend q [T, H, d] over the cache -> [T, H*dv]. A rotated
+        cache gets q, k and v rotated first and the output rotated back, as build_attn does (in
+        its expand order: q, v, k; q, k, v with the iSWA input)."""
+        lay, b = self.layout, self.b
+        if lay.rot_k:
+            q = mul_mat_hadamard(b, q, lay.rot_k)
+        if lay.rot_v and not self.iswa:
+            v_cur = mul_mat_hadamard(b, v_cur, lay.rot_v)
+        if lay.rot_k:
+            k_cur = mul_mat_hadamard(b, k_cur, lay.rot_k)
+        if lay.rot_v and self.iswa:
+            v_cur = mul_mat_hadamard(b, v_cur, lay.rot_v)
         k = self.get_k(il, self.cpy_k(il, k_cur))
         v = self.get_v(il, self.cpy_v(il, v_cur))
-        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, self.layout.v_trans)
+        cur = self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, lay.v_trans)
+        return mul_mat_hadamard(b, cur, lay.rot_v) if lay.rot_v else cur
 
 
 class NoCacheGraph(AttentionGraph):
@@ -206,7 +255,9 @@ class NoCacheGraph(AttentionGraph):
 
 def build_shift_graph(hp: HParams, layout: KVLayout, rope_mode: int, rope, freq_base_of, name: str = "k_shift"):
     """llama_kv_cache::build_graph_shift: re-rope every cached K row by its cell's accumulated
-    shift (input "k_shift" i32 [n_stream*kv_size]); written back in place through set_rows."""
+    shift (input "k_shift" i32 [n_stream*kv_size]); written back in place through set_rows. A
+    quantized K goes through f32, and a rotated one is rotated back before the rope and forward
+    after it (build_rope_shift; the Hadamard matrix is its own inverse)."""
     b = GraphBuilder(name)
     n_rows = layout.n_stream * layout.kv_size
     shift = b.input("k_shift", [n_rows], I32)
@@ -215,10 +266,14 @@ def build_shift_graph(hp: HParams, layout: KVLayout, rope_mode: int, rope, freq_
         cache = b.state(cache_k_name(il), layout.k_shape(hp, il), layout.type_k)
         k = b.reshape(cache, n_rows, hp.n_head_kv(il), hp.n_embd_head_k)              # [S*kv, Hkv, d]
         k32 = k if layout.type_k in (F16, F32) else b.cast(k, F32)                   # quantized: via f32
+        if layout.rot_k:
+            k32 = mul_mat_hadamard(b, k32, layout.rot_k)
         roped = b.rope_ext(k32, shift, n_dims=hp.n_rot, mode=rope_mode, n_ctx_orig=rope.n_ctx_orig,
                            freq_base=freq_base_of(il), freq_scale=rope.freq_scale, ext_factor=rope.ext_factor,
                            attn_factor=rope.attn_factor, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
                            name=("k_shifted", il))
+        if layout.rot_k:
+            roped = mul_mat_hadamard(b, roped, layout.rot_k)
         out = b.set_rows(b.reshape(cache, n_rows, hp.n_embd_k_gqa(il)),
                          b.reshape(roped, n_rows, hp.n_embd_k_gqa(il)), rows)
         b.output(f"k_l{il}", out)
