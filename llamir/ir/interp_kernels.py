@@ -145,14 +145,15 @@ def _erf(x):
 _UNARY: dict[type, Callable] = {
     ops.Neg: np.negative, ops.Abs: np.abs, ops.Sgn: np.sign,
     ops.Step: lambda x: (x > 0).astype(f32), ops.Tanh: ggml_math.tanhf,
-    ops.Elu: lambda x: np.where(x > 0, x, np.expm1(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
+    ops.Elu: lambda x: np.where(x > 0, x, ggml_math.expm1f(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
     ops.Sigmoid: _sigmoid, ops.Gelu: _gelu_table,
     ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + _erf(x * f32(1 / math.sqrt(2)))),
     ops.GeluQuick: _gelu_quick_table, ops.Silu: ggml_math.vec_silu,   # (the profile is passed below)
     ops.HardSigmoid: lambda x: np.clip((x + 3) / 6, 0, 1),
     ops.HardSwish: lambda x: x * np.clip((x + 3) / 6, 0, 1),
-    ops.Exp: ggml_math.expf, ops.Log: np.log, ops.Sqr: np.square, ops.Sqrt: np.sqrt,
-    ops.Sin: ggml_math.sinf, ops.Cos: ggml_math.cosf, ops.Softplus: lambda x: np.logaddexp(f32(0), x),
+    ops.Exp: ggml_math.expf, ops.Log: ggml_math.logf, ops.Sqr: np.square, ops.Sqrt: np.sqrt,
+    ops.Sin: ggml_math.sinf, ops.Cos: ggml_math.cosf,
+    ops.Softplus: lambda x: np.where(x > 20, x, ggml_math.logf(f32(1) + ggml_math.expf(x))),  # op_softplus
 }
 
 
@@ -250,6 +251,14 @@ def _l2_norm(ctx, node, args, bindings):
     return from_f32(x * (f32(1) / np.maximum(norm, f32(node.op.eps))), node.dtype)
 
 
+def _group_sum(part: np.ndarray) -> np.ndarray:
+    """ggml_compute_forward_group_norm's sums over [..., g, L, W]: each row into a double, the row
+    sums added in order. [..., 1, 1, 1] float64."""
+    rows = _row_sums(part)                                          # [..., g, L, 1]
+    flat = rows.reshape(rows.shape[:-3] + (-1,))
+    return np.add.accumulate(flat, axis=-1)[..., -1:].reshape(rows.shape[:-3] + (1, 1, 1))
+
+
 @kernel(ops.GroupNorm)
 def _group_norm(ctx, node, args, bindings):
     x = to_f32(args[0], _in(node, 0))
@@ -258,10 +267,11 @@ def _group_norm(ctx, node, args, bindings):
     y = np.empty_like(x)
     for c0 in range(0, channels, per_group):
         part = x[..., c0:c0 + per_group, :, :]
-        mean = part.mean(axis=(-3, -2, -1), keepdims=True, dtype=np.float64).astype(f32)
+        count = part.shape[-3] * part.shape[-2] * part.shape[-1]
+        mean = (_group_sum(part) / count).astype(f32)
         centred = part - mean
-        var = (centred * centred).mean(axis=(-3, -2, -1), keepdims=True, dtype=np.float64).astype(f32)
-        y[..., c0:c0 + per_group, :, :] = centred / np.sqrt(var + f32(node.op.eps))
+        var = (_group_sum(centred * centred) / count).astype(f32)
+        y[..., c0:c0 + per_group, :, :] = centred * (f32(1) / np.sqrt(var + f32(node.op.eps)))
     return from_f32(y, node.dtype)
 
 

@@ -175,12 +175,15 @@ def test_gelu_tables_over_every_f16(ggml):
                      theirs(ggml, lambda b, a, c: b.op("ggml_geglu_split", a, c), x, g))
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "exp", "sin", "cos"])
+@pytest.mark.parametrize("name", ["sigmoid", "exp", "sin", "cos", "log", "elu", "softplus"])
 def test_libm_unary(ggml, rng, name):
-    """ggml's scalar unary ops call glibc: expf (sigmoid, exp), sinf, cosf."""
+    """ggml's scalar unary ops call glibc: expf (sigmoid, exp, softplus), sinf, cosf, logf (log,
+    softplus), expm1f (elu)."""
     x = (rng.normal(0, 1, (8, 300)) * 10.0 ** rng.uniform(-2, 2.5, (8, 1))).astype(f32)
-    if name == "exp":
+    if name in ("exp", "softplus"):
         x = np.clip(x, -100, 80)
+    if name == "log":
+        x = np.abs(x)
     got = ours(lambda g, a: g.unary(name, a), a=x)
     assert_same_bits(got, theirs(ggml, lambda g, a: g.op(f"ggml_{name}", a), x))
 
@@ -198,6 +201,14 @@ def test_norms_and_reductions(ggml, rng, width):
     for build, name, floats in cases:
         want = theirs(ggml, lambda g, a, name=name, floats=floats: g.op(name, a, *map(g.f, floats)), x)
         assert_same_bits(ours(build, a=x), want)
+
+
+def test_group_norm(ggml, rng):
+    """Row sums into doubles, added per group; y = (x - mean) * (1/sqrtf(var + eps)); 6 channels in 4
+    groups of 2 (the last group takes what is left)."""
+    x = (rng.normal(0, 3, (2, 7, 5, 33)) + 1).astype(f32)               # [B, C, L, W]
+    got = ours(lambda g, a: g.op(ops.GroupNorm(n_groups=4, eps=1e-5), a), a=x)
+    assert_same_bits(got, theirs(ggml, lambda g, a: g.op("ggml_group_norm", a, 4, g.f(1e-5)), x))
 
 
 # -- matmul ---------------------------------------------------------------------------------------

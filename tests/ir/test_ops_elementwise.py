@@ -131,9 +131,9 @@ POSITIVE_ONLY = {"log", "sqrt"}
 
 
 def gelu_table_ref(x: np.ndarray) -> np.ndarray:
-    """ggml's CPU gelu on f32: x rounded to f16, gelu, result rounded to f16; +-10 pass/zero."""
+    """ggml's CPU gelu on f32: x rounded to f16, gelu (a float result), rounded to f16; +-10 pass/zero."""
     xh = x.astype(f16).astype(f64)
-    y = (0.5 * xh * (1 + np.tanh(math.sqrt(2 / math.pi) * xh * (1 + 0.044715 * xh * xh)))).astype(f16)
+    y = (0.5 * xh * (1 + np.tanh(math.sqrt(2 / math.pi) * xh * (1 + 0.044715 * xh * xh)))).astype(f32).astype(f16)
     return np.where(x <= -10, 0, np.where(x >= 10, x, y.astype(f64)))
 
 
@@ -312,7 +312,9 @@ def test_glu_fused_halves(kind, swapped, shape, nmse):
     got = run_graph(g.graph, {"x": x})["y"]
     first, second = np.split(x.astype(f64), 2, axis=-1)
     gate, up = (second, first) if swapped else (first, second)
-    assert nmse(got, GLU_ACT[kind](gate) * up) < 1e-13
+    # the gelu table rounds glibc tanhf's float to f16: the float64 closed form can round one f16
+    # ulp the other way (tests/ir/test_ggml_exact.py checks every table entry against ggml itself)
+    assert nmse(got, GLU_ACT[kind](gate) * up) < (1e-12 if kind == "geglu" else 1e-13)
 
 
 def test_glu_fused_through_a_strided_view():

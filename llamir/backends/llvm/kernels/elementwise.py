@@ -223,10 +223,9 @@ def unary(em: Emitter, name: str, x, lanes: int, f32_lanes: bool):
         return vmath.libm(em, name + "f", x)
     if name == "elu":
         return b.select(b.fcmp_ordered(">", x, c(0.0)), x, vmath.libm(em, "expm1f", x))
-    if name == "softplus":   # numpy's logaddexp(0, x): max(x, 0) + log1p(exp(-|x|))
-        ax = unary(em, "abs", x, lanes, f32_lanes)
-        big = b.select(b.fcmp_ordered(">", x, c(0.0)), x, c(0.0))
-        return b.fadd(big, vmath.libm(em, "log1pf", vmath.expf(em, b.fneg(ax))))
+    if name == "softplus":   # ggml's op_softplus: x > 20 ? x : logf(1 + expf(x))
+        soft = vmath.libm(em, "logf", b.fadd(c(1.0), vmath.expf(em, x)))
+        return b.select(b.fcmp_ordered(">", x, c(20.0)), x, soft)
     if name == "hardsigmoid":
         return em.fmin(em.fmax(b.fdiv(b.fadd(x, c(3.0)), c(6.0)), c(0.0)), c(1.0))
     if name == "hardswish":

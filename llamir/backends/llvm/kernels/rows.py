@@ -412,24 +412,24 @@ class GroupNorm(Kernel):
             c1 = em.min(em.add(c0, per), channels)
             count = b.sitofp(em.i64(em.mul(em.mul(em.sub(c1, c0), shape[2]), shape[3])), F64)
 
-            def each(fn):
-                with em.loop(c0, c1, name="ch") as c:
-                    with em.loop(0, shape[2], name="l") as li:
-                        with em.loop(0, shape[3], name="w") as wi:
-                            xo = em.offset((bi, c, li, wi), xstr)
-                            yo = em.offset((bi, c, li, wi), ostr)
-                            fn(em.to_f32(em.load(storage_type(self.dtypes[1]), a.ptrs[1], xo), self.dtypes[1]), yo)
+            def total(term) -> ir.Value:
+                """ggml's group sums: each row's terms into a double, the row sums added in order."""
+                acc = em.var(F64, ir.Constant(F64, 0.0))
+                with em.loop(c0, c1, name="ch") as c, em.loop(0, shape[2], name="l") as li:
+                    row = em.var(F64, ir.Constant(F64, 0.0))
+                    with em.loop(0, shape[3], name="w") as wi:
+                        em.set(row, b.fadd(em.get(row), b.fpext(term(value(c, li, wi)), F64)))
+                    em.set(acc, b.fadd(em.get(acc), em.get(row)))
+                return em.get(acc)
 
-            acc = em.var(F64, ir.Constant(F64, 0.0))
-            each(lambda x, yo: em.set(acc, b.fadd(em.get(acc), b.fpext(x, F64))))
-            mean = b.fptrunc(b.fdiv(em.get(acc), count), F32)
-            var = em.var(F64, ir.Constant(F64, 0.0))
+            def value(c, li, wi):
+                xo = em.offset((bi, c, li, wi), xstr)
+                return em.to_f32(em.load(storage_type(self.dtypes[1]), a.ptrs[1], xo), self.dtypes[1])
 
-            def add_sq(x, yo):
-                d = b.fsub(x, mean)
-                em.set(var, b.fadd(em.get(var), b.fpext(b.fmul(d, d), F64)))
-
-            each(add_sq)
-            v = b.fptrunc(b.fdiv(em.get(var), count), F32)
-            root = _sqrt(em, b.fadd(v, em.f32(self.eps)))
-            each(lambda x, yo: em.store(em.from_f32(b.fdiv(b.fsub(x, mean), root), self.dtypes[0]), a.ptrs[0], yo))
+            mean = b.fptrunc(b.fdiv(total(lambda x: x), count), F32)
+            v = b.fptrunc(b.fdiv(total(lambda x: b.fmul(b.fsub(x, mean), b.fsub(x, mean))), count), F32)
+            scale = b.fdiv(em.f32(1.0), _sqrt(em, b.fadd(v, em.f32(self.eps))))
+            with em.loop(c0, c1, name="ch") as c, em.loop(0, shape[2], name="l") as li, \
+                    em.loop(0, shape[3], name="w") as wi:
+                yo = em.offset((bi, c, li, wi), ostr)
+                em.store(em.from_f32(b.fmul(b.fsub(value(c, li, wi), mean), scale), self.dtypes[0]), a.ptrs[0], yo)
