@@ -8,11 +8,13 @@ code (row tails, rope angles, sinks). Every function here follows one of those, 
 docstring, so the reference interpreter rounds exactly as llama.cpp does; all of them act
 element-wise (or row-wise, on the last axis) on float32 arrays of any shape.
 
-glibc's FMA builds (the ones this CPU runs) fuse some of their float64 steps too; emulating
-that would take double-double arithmetic for a change that can reach the float32 result only
-about once in 10^8 calls (none in the ~10^6 inputs per function compared with glibc itself in
-tests/ir/test_ggml_exact_math.py), so the float64 parts below round each step. powf and logf are
-approximated by rounding float64 results; they only compute per-op scalars (see their notes).
+The ports follow glibc 2.36 (Debian 12): expf, sinf, cosf and logf (table-driven, float64
+inside), tanhf, expm1f and erff (fdlibm, float). glibc's FMA builds (the ones x86-64 runs) fuse
+some of expf/logf's float64 steps; emulating that would take double-double arithmetic for a
+change that can reach the float32 result only about once in 10^8 calls (none in the ~10^5
+inputs per function compared with glibc itself in tests/ir/test_ggml_exact_math.py), so the
+float64 parts below round each step. powf is approximated by rounding the float64 power; it
+only computes per-op scalars (rope's theta scale, ALiBi slopes).
 """
 
 from __future__ import annotations
@@ -411,6 +413,60 @@ def tanhf(x: np.ndarray) -> np.ndarray:
         z = np.where(x < 0, -z, z)
         z = np.where(ix < u32(0x24000000), x * (one + x), z)
         return np.where(ix >= u32(0x7F800000), np.where(np.isnan(x), x, np.sign(x)), z).astype(f32)
+
+
+# -- glibc 2.36 erff (sysdeps/ieee754/flt-32/s_erff.c: fdlibm, float) ------------------------------
+def _erf_poly(z, coeffs):
+    """c0 + z*(c1 + z*(c2 + ...)) in float, innermost first (fdlibm's Horner nesting)."""
+    acc = f32(float(coeffs[-1])) * np.ones_like(z)
+    for c in reversed(coeffs[:-1]):
+        acc = f32(float(c)) + z * acc
+    return acc
+
+
+_ERF_PP = ("1.2837916613e-01", "-3.2504209876e-01", "-2.8481749818e-02", "-5.7702702470e-03", "-2.3763017452e-05")
+_ERF_QQ = ("1.0", "3.9791721106e-01", "6.5022252500e-02", "5.0813062117e-03", "1.3249473704e-04",
+           "-3.9602282413e-06")
+_ERF_PA = ("-2.3621185683e-03", "4.1485610604e-01", "-3.7220788002e-01", "3.1834661961e-01", "-1.1089469492e-01",
+           "3.5478305072e-02", "-2.1663755178e-03")
+_ERF_QA = ("1.0", "1.0642088205e-01", "5.4039794207e-01", "7.1828655899e-02", "1.2617121637e-01",
+           "1.3637083583e-02", "1.1984500103e-02")
+_ERF_RA = ("-9.8649440333e-03", "-6.9385856390e-01", "-1.0558626175e+01", "-6.2375331879e+01", "-1.6239666748e+02",
+           "-1.8460508728e+02", "-8.1287437439e+01", "-9.8143291473e+00")
+_ERF_SA = ("1.0", "1.9651271820e+01", "1.3765776062e+02", "4.3456588745e+02", "6.4538726807e+02",
+           "4.2900814819e+02", "1.0863500214e+02", "6.5702495575e+00", "-6.0424413532e-02")
+_ERF_RB = ("-9.8649431020e-03", "-7.9928326607e-01", "-1.7757955551e+01", "-1.6063638306e+02", "-6.3756646729e+02",
+           "-1.0250950928e+03", "-4.8351919556e+02")
+_ERF_SB = ("1.0", "3.0338060379e+01", "3.2579251099e+02", "1.5367296143e+03", "3.1998581543e+03",
+           "2.5530502930e+03", "4.7452853394e+02", "-2.2440952301e+01")
+_ERX, _EFX = f32(8.4506291151e-01), f32(1.2837916613e-01)
+
+
+def erff(x: np.ndarray) -> np.ndarray:
+    """glibc erff (fdlibm): a rational approximation on [0, 0.84375), erx + P/Q on [0.84375, 1.25),
+    1 - exp(-z*z - 0.5625) exp((z-x)(z+x) + R/S) / x up to 6 (glibc expf), +-1 beyond."""
+    x = np.asarray(x, dtype=f32)
+    one = f32(1)
+    ix = x.view(u32) & u32(0x7FFFFFFF)
+    ax = np.abs(x)
+    with np.errstate(all="ignore"):
+        z = x * x
+        small = x + x * (_erf_poly(z, _ERF_PP) / _erf_poly(z, _ERF_QQ))
+        tiny = np.where(ix < u32(0x04000000), f32(0.0625) * (f32(16) * x + (f32(16) * _EFX) * x), x + _EFX * x)
+        small = np.where(ix < u32(0x31800000), tiny, small)
+        s = ax - one
+        mid = _ERX + _erf_poly(s, _ERF_PA) / _erf_poly(s, _ERF_QA)
+        inv = one / (ax * ax)
+        near = ix < u32(0x4036DB6E)
+        R = np.where(near, _erf_poly(inv, _ERF_RA), _erf_poly(inv, _ERF_RB))
+        S = np.where(near, _erf_poly(inv, _ERF_SA), _erf_poly(inv, _ERF_SB))
+        zt = (ax.view(u32) & u32(0xFFFFF000)).view(f32)
+        r = expf(-zt * zt - f32(0.5625)) * expf((zt - ax) * (zt + ax) + R / S)
+        tail = one - r / ax
+        out = np.where(ix < u32(0x3F580000), small, np.where(x < 0, -np.where(ix < u32(0x3FA00000), mid, tail),
+                                                              np.where(ix < u32(0x3FA00000), mid, tail)))
+        out = np.where(ix >= u32(0x40C00000), np.sign(x).astype(f32), out)
+        return np.where(np.isnan(x), x, out).astype(f32)
 
 
 _LOGF_TAB = tuple((float.fromhex(a), float.fromhex(b)) for a, b in (

@@ -138,16 +138,12 @@ def _gelu_quick_table(x):
     return (xh * _sigmoid(f32(1.702) * xh)).astype(np.float16).astype(f32)
 
 
-def _erf(x):
-    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(f32)
-
-
 _UNARY: dict[type, Callable] = {
     ops.Neg: np.negative, ops.Abs: np.abs, ops.Sgn: np.sign,
     ops.Step: lambda x: (x > 0).astype(f32), ops.Tanh: ggml_math.tanhf,
     ops.Elu: lambda x: np.where(x > 0, x, ggml_math.expm1f(x)), ops.Relu: lambda x: np.maximum(x, f32(0)),
     ops.Sigmoid: _sigmoid, ops.Gelu: _gelu_table,
-    ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + _erf(x * f32(1 / math.sqrt(2)))),
+    ops.GeluErf: lambda x: f32(0.5) * x * (f32(1) + ggml_math.erff(x * f32(1 / math.sqrt(2)))),
     ops.GeluQuick: _gelu_quick_table, ops.Silu: ggml_math.vec_silu,   # (the profile is passed below)
     ops.HardSigmoid: lambda x: np.clip((x + 3) / 6, 0, 1),
     ops.HardSwish: lambda x: x * np.clip((x + 3) / 6, 0, 1),

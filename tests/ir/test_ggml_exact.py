@@ -175,7 +175,7 @@ def test_gelu_tables_over_every_f16(ggml):
                      theirs(ggml, lambda b, a, c: b.op("ggml_geglu_split", a, c), x, g))
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "exp", "sin", "cos", "log", "elu", "softplus"])
+@pytest.mark.parametrize("name", ["sigmoid", "exp", "sin", "cos", "log", "elu", "softplus", "gelu_erf"])
 def test_libm_unary(ggml, rng, name):
     """ggml's scalar unary ops call glibc: expf (sigmoid, exp, softplus), sinf, cosf, logf (log,
     softplus), expm1f (elu)."""

@@ -50,7 +50,7 @@ def glibc_libm():
     if path is None or not hasattr(libc, "gnu_get_libc_version"):
         pytest.skip("needs glibc's libm, whose expf/sinf/cosf ggml_math ports")
     lib = ctypes.CDLL(path)
-    for name in ("expf", "sinf", "cosf", "tanhf", "expm1f", "logf"):
+    for name in ("expf", "sinf", "cosf", "tanhf", "expm1f", "logf", "erff"):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
     return lib
@@ -66,7 +66,7 @@ def _inputs(rng, name: str) -> np.ndarray:
         body = rng.uniform(-104, 89, 40000)
     elif name == "logf":   # every binade, subnormals, around 1
         body = np.concatenate([10.0 ** rng.uniform(-44, 38, 40000), rng.uniform(0.5, 2, 20000), -rng.uniform(0, 1, 10)])
-    elif name in ("tanhf", "expm1f"):   # every branch: tiny, |x| < 1, |x| >= 1, the k = +-1 and far reductions
+    elif name in ("tanhf", "expm1f", "erff"):   # every branch: tiny, |x| < 1, |x| >= 1, the k = +-1 and far reductions
         body = np.concatenate([rng.normal(0, 1, 20000) * 10.0 ** rng.uniform(-20, 1.3, 20000),
                                np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float64)])
         body = body[np.isfinite(body)]
@@ -79,7 +79,7 @@ def _inputs(rng, name: str) -> np.ndarray:
     return np.concatenate([body, special]).astype(f32)
 
 
-@pytest.mark.parametrize("name", ["expf", "sinf", "cosf", "tanhf", "expm1f", "logf"])
+@pytest.mark.parametrize("name", ["expf", "sinf", "cosf", "tanhf", "expm1f", "logf", "erff"])
 def test_glibc_ports_match_libm(glibc_libm, name):
     x = _inputs(np.random.default_rng(3), name)
     got, want = getattr(ggml_math, name)(x), _libm(glibc_libm, name, x)

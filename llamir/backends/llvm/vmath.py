@@ -129,15 +129,3 @@ def silu_scalar(em: Emitter, x: ir.Value) -> ir.Value:
     """ggml_silu_f32: x / (1 + expf(-x)) with libm's expf."""
     one = ir.Constant(x.type, [1.0] * x.type.count) if isinstance(x.type, ir.VectorType) else ir.Constant(F32, 1.0)
     return em.b.fdiv(x, em.b.fadd(one, expf(em, em.b.fneg(x))))
-
-
-def to_double_and_back(em: Emitter, name: str, x: ir.Value) -> ir.Value:
-    """f32 -> double libm function -> f32 (e.g. erf, as math.erf in the reference)."""
-    if isinstance(x.type, ir.VectorType):
-        out = ir.Constant(x.type, None)
-        for lane in range(x.type.count):
-            k = ir.Constant(I32, lane)
-            out = em.b.insert_element(out, to_double_and_back(em, name, em.b.extract_element(x, k)), k)
-        return out
-    fn = em.declare(name, F64, [F64])
-    return em.b.fptrunc(em.b.call(fn, [em.b.fpext(x, F64)]), F32)

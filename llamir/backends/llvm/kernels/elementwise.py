@@ -231,7 +231,7 @@ def unary(em: Emitter, name: str, x, lanes: int, f32_lanes: bool):
     if name == "hardswish":
         return b.fmul(x, em.fmin(em.fmax(b.fdiv(b.fadd(x, c(3.0)), c(6.0)), c(0.0)), c(1.0)))
     if name == "gelu_erf":
-        erf = vmath.to_double_and_back(em, "erf", b.fmul(x, c(float(1 / math.sqrt(2)))))
+        erf = vmath.libm(em, "erff", b.fmul(x, c(float(1 / math.sqrt(2)))))
         return b.fmul(b.fmul(c(0.5), x), b.fadd(c(1.0), erf))
     if name == "gelu":
         return _gelu(em, x, lanes, f32_lanes)
