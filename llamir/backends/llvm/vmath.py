@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F32, F64, I16, I32, Emitter, vec
+from llamir.backends.llvm.emit import F32, I16, I32, Emitter, vec
 
 
 def lanes(em: Emitter) -> int:
