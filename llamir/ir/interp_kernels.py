@@ -70,7 +70,7 @@ def to_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
 
 def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
     """float32 values -> storage of `dtype` (f16 rounds to nearest even, quantized uses
-    ggml's reference quantizer)."""
+    ggml-cpu's from_float, as its set_rows and cpy do: the reference quantizer but for q8_0/q8_1)."""
     if dtype == F32:
         return np.ascontiguousarray(x, dtype=np.float32)
     if dtype == F16:
@@ -81,7 +81,7 @@ def from_f32(x: np.ndarray, dtype: DType) -> np.ndarray:
         return x.astype(dtype.np_dtype)
     from llamir.ir import quants
 
-    return quants.quantize(np.ascontiguousarray(x, dtype=np.float32), dtype)
+    return quants.cpu_from_float(np.ascontiguousarray(x, dtype=np.float32), dtype)
 
 
 def tile_to(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

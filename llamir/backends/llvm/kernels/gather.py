@@ -8,7 +8,7 @@ import llvmlite.ir as ir
 from llamir.backends.llvm.codegen import report_error
 from llamir.backends.llvm.emit import F32, I32, I64, Emitter, storage_type, vec
 from llamir.backends.llvm.executable import ERR_INDEX
-from llamir.backends.llvm.kernels.quant import dequant_value, quantize_block_ref
+from llamir.backends.llvm.kernels.quant import dequant_value, quantize_block_cpu
 from llamir.backends.llvm.plan import Kernel, Ref
 
 LANES = 16
@@ -131,7 +131,7 @@ class SetRows(Kernel):
                         def value(j, k=k, src=src):
                             col = em.add(em.mul(k, bs), j)
                             return em.to_f32(em.load(storage_type(src_dt), src, em.mul(col, sstr[3])), src_dt)
-                        quantize_block_ref(em, dst_dt, value, em.gep(dst, em.mul(k, bb)))
+                        quantize_block_cpu(em, dst_dt, value, em.gep(dst, em.mul(k, bb)))
 
 
 __all__ = ["F32", "GetRows", "SetRows", "copy_row"]
@@ -139,7 +139,7 @@ __all__ = ["F32", "GetRows", "SetRows", "copy_row"]
 
 class ConvertRows(Kernel):
     """dst = src converted row by row where a side is quantized (ggml_cpy: dequantize_row_* or
-    quantize_row_*_ref); threads take rows."""
+    ggml-cpu's from_float); threads take rows."""
 
     def __init__(self, dst: Ref, src: Ref):
         dst, src = dst.padded(), src.padded()
@@ -175,5 +175,5 @@ class ConvertRows(Kernel):
             else:
                 with em.loop(0, em.div(shape[3], dbs), name="blk") as k:
                     base = em.mul(k, dbs)
-                    quantize_block_ref(em, d_dt, lambda j, base=base: value(em.add(base, j)),
+                    quantize_block_cpu(em, d_dt, lambda j, base=base: value(em.add(base, j)),
                                        em.gep(dst, em.mul(k, dbb)))

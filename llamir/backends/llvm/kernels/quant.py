@@ -151,6 +151,24 @@ def _q3_k(em: Emitter, blk, e):
 
 
 # -- reference quantizers ----------------------------------------------------------------------
+def quantize_block_cpu(em: Emitter, dtype: str, src_value, dst) -> None:
+    """Quantize 32 values as ggml-cpu's from_float does (set_rows, cpy): the reference quantizer,
+    except q8_0's AVX quantize_row_q8_0 (id = 127/amax, not 1/d; q rounded half to even)."""
+    if dtype != "q8_0":
+        quantize_block_ref(em, dtype, src_value, dst)
+        return
+    b = em.b
+    amax = em.var(F32, em.f32(0.0))
+    with em.loop(0, 32, name="amax") as j:
+        em.set(amax, em.fmax(_fabs(em, src_value(j)), em.get(amax)))
+    m = em.get(amax)
+    inv = b.select(b.fcmp_ordered("!=", m, em.f32(0.0)), b.fdiv(em.f32(127.0), m), em.f32(0.0))
+    em.store(b.fptrunc(b.fdiv(m, em.f32(127.0)), F16), dst, 0)
+    with em.loop(0, 32, name="q") as j:
+        q = em.intrinsic("llvm.rint.f32", F32, [b.fmul(src_value(j), inv)])
+        em.store(b.trunc(b.fptosi(q, I32), I8), dst, em.add(2, j))
+
+
 def quantize_block_ref(em: Emitter, dtype: str, src_value, dst) -> None:
     """Quantize 32 values (src_value(j) -> f32) into the block at `dst`, as quantize_row_*_ref."""
     b = em.b
