@@ -22,12 +22,12 @@ import llvmlite.ir as ir
 
 from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
 from llamir.backends.llvm.kernels.matmul_quant import dpbusd
-from llamir.backends.llvm.kernels.quant_act import k_act_layout
+from llamir.backends.llvm.kernels.quant_act import KActLayout
 from llamir.backends.llvm.kernels.repack_k import G, KFormat
 from llamir.backends.llvm.plan import Kernel
 
 L2_BUDGET = 1 << 20
-RN = 4                                   # tokens per tile in the full-sum modes
+RN = 6                                   # tokens per tile in the full-sum modes
 TILED_MIN_ROWS = 8                       # ggml_tiled_min_batch
 GEMM_SPAN_SUBS = {"q4_k": 2, "q2_k": 8}  # sub-blocks per fma in the repacked gemm: 64 / 128 values
 
@@ -92,13 +92,16 @@ class MatMulQK(Kernel):
 
 
 class _Pass:
-    """One mode over rows [n_start, n_end) of a plane: L2 blocks of tokens, groups, tiles."""
+    """One mode over rows [n_start, n_end) of a plane: L2 blocks of tokens, groups, tiles. Inside a
+    super-block the kernels loop over sub-blocks (or 32-value blocks) at run time, so a loop body
+    holds one sub-block's chunks and stays in registers."""
 
     def __init__(self, kernel: MatMulQK, em: Emitter, ptrs, M, g0, g1, first):
         self.k, self.em, self.M, self.g0, self.g1, self.first = kernel, em, M, g0, g1, first
         self.y_ptr, self.w_ptr, self.x_ptr = ptrs
         self.fmt = kernel.fmt
-        self.nb, self.off_d, self.off_bs, self.off_pairs, self.row_bytes = k_act_layout(kernel.K)
+        self.lay = KActLayout(kernel.K)
+        self.nb, self.row_bytes = self.lay.nb, self.lay.row_bytes
 
     def __call__(self, mode: str, n_start, n_end) -> None:
         em = self.em
@@ -115,44 +118,54 @@ class _Pass:
                             self._lanes(wg, g, nt, valid)
                         else:
                             self._full(mode, wg, g, nt, 1, valid)
-                elif mode == "gemm":                    # its rows come in whole fours
-                    with em.loop(n0, n1, RN, name="gemm.tile") as nt:
-                        self._full(mode, wg, g, nt, RN, valid)
                 else:
-                    em.tiles(n0, n1, rn, lambda nt, w: self._full(mode, wg, g, nt, w, valid), name="tiled.nt")
+                    em.tiles(n0, n1, rn, lambda nt, w: self._full(mode, wg, g, nt, w, valid), name=f"{mode}.nt")
 
     # -- shared pieces ---------------------------------------------------------------------------------
     def _row(self, n):
         return self.em.gep(self.x_ptr, self.em.mul(self.em.add(self.first, n), self.row_bytes))
 
-    def _chunks(self, wb, s: int) -> list:
-        """The <64 x i8> chunks of sub-block s (16 rows x 4 values each), element order."""
-        em, b, fmt = self.em, self.em.b, self.fmt
+    def _chunks(self, wb, c0, count: int) -> list:
+        """The <64 x i8> chunks c0 .. c0+count-1 (16 rows x 4 values each) of a packed super-block;
+        c0 (run time) is a multiple of `count` (8 for Q4_K's nibble pairs)."""
+        em, b = self.em, self.em.b
         v8 = vec(I8, 64)
-        per = fmt.chunks_per_sub
-        if not fmt.nibbles:
-            return [em.load(v8, wb, 64 * c) for c in range(s * per, (s + 1) * per)]
-        raw = [em.load(v8, wb, 64 * (4 * s + i)) for i in range(4)]
+        if not self.fmt.nibbles:
+            return [em.load(v8, wb, em.add(em.mul(c0, 64), 64 * i)) for i in range(count)]
+        raw = [em.load(v8, wb, em.add(em.mul(c0, 32), 64 * i)) for i in range(4)]   # vectors 4*(c0/8) + i
         low, four = ir.Constant(v8, [0x0F] * 64), ir.Constant(v8, [4] * 64)
         return [b.and_(r, low) for r in raw] + [b.lshr(r, four) for r in raw]
 
-    def _i16s(self, wb, off: int):
-        return self.em.load(vec(I16, G), wb, off)
+    def _scales(self, wb, s):
+        """Sub-block s's scales as int16 [16]."""
+        return self.em.load(vec(I16, G), wb, self.em.add(self.fmt.off_sc, self.em.mul(s, 32)))
 
-    def _x(self, xq, c: int):
+    def _x(self, xq, c):
         em = self.em
-        return em.b.bitcast(em.splat(em.load(I32, xq, 4 * c), G, I32), vec(I8, 64))
+        return em.b.bitcast(em.splat(em.load(I32, xq, em.mul(c, 4)), G, I32), vec(I8, 64))
 
-    def _int(self, xr, off):
-        return self.em.load(I32, xr, off)
-
-    def _bsum(self, xr, k, s: int):
-        """The activation sum over sub-block s of super-block k (int32)."""
+    def _int(self, xr, field: str, k, index):
+        """int32 entry `index` of super-block k in activation field `field` (KActLayout)."""
         em = self.em
-        base = em.add(self.off_bs, em.mul(k, 64))
-        if self.fmt.subs == 16:
-            return self._int(xr, em.add(base, 4 * s))
-        return em.b.add(self._int(xr, em.add(base, 8 * s)), self._int(xr, em.add(base, 8 * s + 4)))
+        per = {"chunk4": 64, "pairs16": 8, "pairs32": 4}.get(field, 16)
+        return em.load(I32, xr, em.add(getattr(self.lay, field), em.mul(em.add(em.mul(k, per), index), 4)))
+
+    def _d(self, xr, k):
+        return self.em.load(F32, xr, self.em.add(self.lay.d, self.em.mul(k, 4)))
+
+    def _min_pairs(self, wb, xr, k, first, count: int) -> ir.Value:
+        """sum over mins pairs l = first .. first+count-1 of m[2l]*x[2l] + m[2l+1]*x[2l+1] (vpmaddwd),
+        int32 per row; x are the activation's 16-sums (Q2_K) or 32-sums (Q4_K, Q5_K)."""
+        em, b = self.em, self.em.b
+        field = "pairs16" if self.fmt.subs == 16 else "pairs32"
+        total = None
+        for i in range(count):
+            pair = em.add(first, i)
+            mp = em.load(vec(I16, 2 * G), wb, em.add(self.fmt.off_mn, em.mul(pair, 64)))
+            xp = b.bitcast(em.splat(self._int(xr, field, k, pair), G, I32), vec(I16, 2 * G))
+            p = maddwd(em, mp, xp)
+            total = p if total is None else b.add(total, p)
+        return total
 
     def _store(self, g, n, total, valid) -> None:
         em = self.em
@@ -170,113 +183,105 @@ class _Pass:
         fzero, izero = ir.Constant(vf, [0.0] * G), ir.Constant(vi, [0] * G)
         acc = [em.var(vf, fzero) for _ in range(rn)]
         accm = [em.var(vf, fzero) for _ in range(rn)] if fmt.has_min and mode != "tiled" else []
+        isum = [em.var(vi) for _ in range(rn)]
         rows = [self._row(em.add(nt, j)) for j in range(rn)]
         span = GEMM_SPAN_SUBS[fmt.dtype] if mode == "gemm" else fmt.subs
+        per = fmt.chunks_per_sub
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
             dw = em.load(vf, wb, fmt.off_d)
             dmin = em.load(vf, wb, fmt.off_dmin) if fmt.has_min else None
-            dx = [em.splat(em.load(F32, r, em.add(self.off_d, em.mul(k, 4))), G) for r in rows]
-            isum, msum = [izero] * rn, [izero] * rn
-            for s in range(fmt.subs):
-                chunks = self._chunks(wb, s)
-                sc16 = self._i16s(wb, fmt.off_sc + 32 * s)
-                sc32 = b.sext(sc16, vi)
-                scd = None if em.target.vnni512 else em.shuffle(sc16, sc16, [i // 2 for i in range(2 * G)])
-                mn32 = b.sext(self._i16s(wb, fmt.off_mn + 32 * s), vi) if fmt.has_min else None
+            dx = [em.splat(self._d(r, k), G) for r in rows]
+            if mode == "tiled":
+                scales = [(dw, None if dmin is None else b.fneg(dmin), x) for x in dx]
+            else:            # d_w * d_x once per super-block: ggml's col_scale * row_scale
+                scales = [(b.fmul(dw, x), None if dmin is None else b.fmul(dmin, x), None) for x in dx]
+            with em.loop(0, fmt.subs // span, name="span") as sp:
+                for slot in isum:
+                    em.set(slot, izero)
+                with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
+                    chunks = self._chunks(wb, em.mul(s, per), per)
+                    sc16 = self._scales(wb, s)
+                    sc32 = b.sext(sc16, vi)
+                    scd = None if em.target.vnni512 else em.shuffle(sc16, None, [i // 2 for i in range(2 * G)])
+                    for j, xr in enumerate(rows):
+                        em.set(isum[j], b.add(em.get(isum[j]), self._scaled_dot(chunks, sc32, scd, xr, k, s)))
                 for j, xr in enumerate(rows):
-                    xq = em.gep(xr, em.mul(k, 256))
-                    xs = [self._x(xq, c) for c in range(s * fmt.chunks_per_sub, (s + 1) * fmt.chunks_per_sub)]
-                    part = self._scaled_dot(chunks, xs, sc32, scd, xr, k, s)
-                    isum[j] = b.add(isum[j], part)
-                    if mn32 is not None:
-                        msum[j] = b.add(msum[j], b.mul(mn32, em.splat(self._bsum(xr, k, s), G, I32)))
-                if (s + 1) % span == 0:
-                    for j in range(rn):
-                        self._flush(mode, acc[j], accm[j] if accm else None, isum[j], msum[j], dw, dmin, dx[j])
-                    isum, msum = [izero] * rn, [izero] * rn
+                    msum = self._min_pairs(wb, xr, k, em.mul(sp, span // 2), span // 2) if fmt.has_min else None
+                    self._flush(mode, acc[j], accm[j] if accm else None, em.get(isum[j]), msum, scales[j])
         for j in range(rn):
             total = em.get(acc[j])
             if accm:
                 total = b.fsub(total, em.get(accm[j]))
             self._store(g, em.add(nt, j), total, valid)
 
-    def _scaled_dot(self, chunks, xs, sc32, scd, xr, k, s: int):
-        """sc * sum(q * q8) over one sub-block, per row, exact int32 (offset undone)."""
+    def _scaled_dot(self, chunks, sc32, scd, xr, k, s):
+        """sc * sum(q * q8) over sub-block s, per row, exact int32, the stored offset undone by
+        starting from -offset * (the sub-block's activation sum)."""
         em, b, fmt = self.em, self.em.b, self.fmt
         vi = vec(I32, G)
+        xq = em.gep(xr, em.mul(k, 256))
+        c0 = em.mul(s, fmt.chunks_per_sub)
+        xs = [self._x(xq, em.add(c0, i)) for i in range(fmt.chunks_per_sub)]
+        neg = None
+        if fmt.offset:
+            neg = em.splat(b.mul(self._int(xr, "bsums", k, s), ir.Constant(I32, -fmt.offset)), G, I32)
         if em.target.vnni512:
-            d = ir.Constant(vi, [0] * G)
+            d = neg if neg is not None else ir.Constant(vi, [0] * G)
             for w, x in zip(chunks, xs, strict=True):
                 d = dpbusd(em, d, w, x)
-            if fmt.offset:
-                d = b.sub(d, em.splat(b.mul(self._bsum(xr, k, s), ir.Constant(I32, fmt.offset)), G, I32))
             return b.mul(d, sc32)
-        part = None
+        part = None if neg is None else b.mul(sc32, neg)
         for w, x in zip(chunks, xs, strict=True):
             p = maddwd(em, maddubs(em, w, x), scd)
             part = p if part is None else b.add(part, p)
-        if fmt.offset:
-            corr = b.mul(self._bsum(xr, k, s), ir.Constant(I32, fmt.offset))
-            part = b.sub(part, b.mul(sc32, em.splat(corr, G, I32)))
         return part
 
-    def _flush(self, mode: str, acc, accm, isum, msum, dw, dmin, dx) -> None:
+    def _flush(self, mode: str, acc, accm, isum, msum, scales) -> None:
         em, b = self.em, self.em.b
         vf = vec(F32, G)
         s1 = b.sitofp(isum, vf)
         if mode == "tiled":   # res = d*s1 - dmin*s2 (fnmadd); y = fma(res, d_x, y)
+            dw, neg_dmin, dx = scales
             res = b.fmul(s1, dw)
-            if dmin is not None:
-                res = em.fma(b.fneg(dmin), b.sitofp(msum, vf), res)
+            if msum is not None:
+                res = em.fma(neg_dmin, b.sitofp(msum, vf), res)
             em.set(acc, em.fma(res, dx, em.get(acc)))
             return
-        em.set(acc, em.fma(s1, b.fmul(dw, dx), em.get(acc)))
+        dwx, dminx, _ = scales
+        em.set(acc, em.fma(s1, dwx, em.get(acc)))
         if accm is not None:
-            em.set(accm, em.fma(b.sitofp(msum, vf), b.fmul(dmin, dx), em.get(accm)))
+            em.set(accm, em.fma(b.sitofp(msum, vf), dminx, em.get(accm)))
 
     # -- ggml_vec_dot_qN_K_q8_K ---------------------------------------------------------------------
     def _lanes(self, wg, g, nt, valid) -> None:
         em, b, fmt = self.em, self.em.b, self.fmt
-        vf, vi = vec(F32, G), vec(I32, G)
-        fzero, izero = ir.Constant(vf, [0.0] * G), ir.Constant(vi, [0] * G)
+        vf = vec(F32, G)
+        fzero = ir.Constant(vf, [0.0] * G)
         dtype = fmt.dtype
         acc = [em.var(vf, fzero) for _ in range(8)]
         accm = [em.var(vf, fzero) for _ in range({"q4_k": 4, "q5_k": 1}.get(dtype, 0))]
+        lane_vars = [em.var(vec(I32, G)) for _ in range(8)]
         xr = self._row(nt)
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
-            xq = em.gep(xr, em.mul(k, 256))
-            lanes = [izero] * 8
-            sc32 = []
-            for s in range(fmt.subs):
-                sc16 = self._i16s(wb, fmt.off_sc + 32 * s)
-                sc32.append(b.sext(sc16, vi))
-                scd = em.shuffle(sc16, sc16, [i // 2 for i in range(2 * G)])
-                for i, w in enumerate(self._chunks(wb, s)):
-                    c = s * fmt.chunks_per_sub + i
-                    p = maddubs(em, w, self._x(xq, c))
-                    if dtype == "q3_k":   # stored q + 4: take 4 * (x pairs) off each product pair
-                        pairs = self._int(xr, em.add(self.off_pairs, em.add(em.mul(k, 256), 4 * c)))
-                        p = b.sub(p, b.bitcast(em.splat(pairs, G, I32), vec(I16, 2 * G)))
-                    lanes[c % 8] = b.add(lanes[c % 8], maddwd(em, p, scd))
-            bs = [self._int(xr, em.add(self.off_bs, em.add(em.mul(k, 64), 4 * t))) for t in range(16)]
-            if dtype == "q6_k":   # sumi - 32 * (sc[2l]*bsums[2l] + sc[2l+1]*bsums[2l+1])
-                for lane in range(8):
-                    corr = b.add(b.mul(sc32[2 * lane], em.splat(bs[2 * lane], G, I32)),
-                                 b.mul(sc32[2 * lane + 1], em.splat(bs[2 * lane + 1], G, I32)))
-                    lanes[lane] = b.sub(lanes[lane], b.shl(corr, ir.Constant(vi, [5] * G)))
-            dx = em.load(F32, xr, em.add(self.off_d, em.mul(k, 4)))
-            d = b.fmul(em.splat(dx, G), em.load(vf, wb, fmt.off_d))
+            lanes = self._lane_sums(wb, xr, k, lane_vars)
+            dx = self._d(xr, k)
+            d = b.fmul(em.splat(dx, G), em.load(vf, wb, fmt.off_d))              # y.d * x.d
             dmin = b.fmul(em.splat(b.fneg(dx), G), em.load(vf, wb, fmt.off_dmin)) if fmt.has_min else None
-            mins = self._lane_mins(wb, bs) if fmt.has_min else []
-            if dtype == "q2_k":
+            if dtype == "q2_k":        # the mins' 8 lanes go into acc first
                 for lane in range(8):
-                    em.set(acc[lane], em.fma(dmin, b.sitofp(mins[lane], vf), em.get(acc[lane])))
+                    m = self._min_pairs(wb, xr, k, lane, 1)
+                    em.set(acc[lane], em.fma(dmin, b.sitofp(m, vf), em.get(acc[lane])))
             for lane in range(8):
                 em.set(acc[lane], em.fma(d, b.sitofp(lanes[lane], vf), em.get(acc[lane])))
-            for slot, m in zip(accm, mins, strict=False):
-                em.set(slot, em.fma(dmin, b.sitofp(m, vf), em.get(slot)))
+            if dtype == "q4_k":        # 4 lanes of their own
+                for lane in range(4):
+                    m = self._min_pairs(wb, xr, k, lane, 1)
+                    em.set(accm[lane], em.fma(dmin, b.sitofp(m, vf), em.get(accm[lane])))
+            elif dtype == "q5_k":      # summs += dmin * (one integer), fused by GCC
+                m = self._min_pairs(wb, xr, k, 0, 4)
+                em.set(accm[0], em.fma(dmin, b.sitofp(m, vf), em.get(accm[0])))
         a_ = [em.get(x) for x in acc]
         r = [b.fadd(a_[i + 4], a_[i]) for i in range(4)]          # hsum_float_8
         total = b.fadd(b.fadd(r[0], r[2]), b.fadd(r[1], r[3]))
@@ -287,18 +292,36 @@ class _Pass:
             total = b.fadd(total, em.get(accm[0]))
         self._store(g, nt, total, valid)
 
-    def _lane_mins(self, wb, bs) -> list:
-        """The integer min terms vec_dot forms: Q2_K 8 lanes of m*bsums pairs, Q4_K 4 lanes of
-        m*(32-value sums) pairs, Q5_K their one total."""
+    def _lane_sums(self, wb, xr, k, lane_vars) -> list:
+        """vec_dot's 8 int32 lanes of one super-block: lane l = sum of sc*q*q8 over the chunks c with
+        c % 8 == l (Q3_K's offset taken off each product pair, Q6_K's 32*sc*bsums per lane), one
+        32-value block (8 chunks, one per lane) per loop step."""
         em, b, fmt = self.em, self.em.b, self.fmt
         vi = vec(I32, G)
-        mn = [b.sext(self._i16s(wb, fmt.off_mn + 32 * s), vi) for s in range(fmt.subs)]
-        sums = bs if fmt.subs == 16 else [b.add(bs[2 * j], bs[2 * j + 1]) for j in range(8)]
-        prods = [b.mul(m, em.splat(x, G, I32)) for m, x in zip(mn, sums, strict=True)]
-        pairs = [b.add(prods[2 * i], prods[2 * i + 1]) for i in range(len(prods) // 2)]
-        if fmt.dtype == "q5_k":
-            total = pairs[0]
-            for p in pairs[1:]:
-                total = b.add(total, p)
-            return [total]
-        return pairs
+        xq = em.gep(xr, em.mul(k, 256))
+        for slot in lane_vars:
+            em.set(slot, ir.Constant(vi, [0] * G))
+        subs_per_block = 8 // fmt.chunks_per_sub          # 1 (32-value sub-blocks) or 2
+        with em.loop(0, 8, name="blk32") as jj:
+            chunks = self._chunks(wb, em.mul(jj, 8), 8)
+            scd = []
+            for h in range(subs_per_block):
+                sc16 = self._scales(wb, em.add(em.mul(jj, subs_per_block), h))
+                scd.append(em.shuffle(sc16, None, [i // 2 for i in range(2 * G)]))
+            for i, w in enumerate(chunks):
+                c = em.add(em.mul(jj, 8), i)
+                p = maddubs(em, w, self._x(xq, c))
+                if fmt.dtype == "q3_k":   # stored q + 4: take 4 * (the x pairs) off each product pair
+                    four = b.bitcast(em.splat(self._int(xr, "chunk4", k, c), G, I32), vec(I16, 2 * G))
+                    p = b.sub(p, four)
+                em.set(lane_vars[i], b.add(em.get(lane_vars[i]), maddwd(em, p, scd[i // fmt.chunks_per_sub])))
+        lanes = [em.get(slot) for slot in lane_vars]
+        if fmt.dtype == "q6_k":   # sumi - 32 * (sc[2l]*bsums[2l] + sc[2l+1]*bsums[2l+1])
+            for lane in range(8):
+                corr = None
+                for t in (2 * lane, 2 * lane + 1):
+                    neg = b.mul(self._int(xr, "bsums", k, t), ir.Constant(I32, -32))
+                    p = b.mul(b.sext(self._scales(wb, t), vi), em.splat(neg, G, I32))
+                    corr = p if corr is None else b.add(corr, p)
+                lanes[lane] = b.add(lanes[lane], corr)
+        return lanes

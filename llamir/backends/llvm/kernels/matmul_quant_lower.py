@@ -57,7 +57,7 @@ def quantized_activation(L: Lowerer, b_node: Node, fmt: QFormat, K: int):
 
 def quantized_activation_k(L: Lowerer, b_node: Node, K: int):
     """b's rows as Q8_K for the K-quant kernels (one buffer shared by every K-quant matmul of b)."""
-    from llamir.backends.llvm.kernels.quant_act import QuantActK, k_act_layout
+    from llamir.backends.llvm.kernels.quant_act import KActLayout, QuantActK
 
     key = ("qact", id(b_node), "q8_k:ggml")
     hit = L.cache.get(key)
@@ -65,7 +65,7 @@ def quantized_activation_k(L: Lowerer, b_node: Node, K: int):
         return hit
     b = L.ref(b_node)
     n_rows = E.prod(b.shape[:-1]) if b.rank > 1 else 1
-    row_bytes = k_act_layout(K)[4]
+    row_bytes = KActLayout(K).row_bytes
     buf = L.scratch(E.mul(n_rows, row_bytes), "q8_k_act")
     read = row_part(b) if b.is_contiguous else None
     read = read if read is not None and read.n_units == n_rows else None

@@ -10,9 +10,11 @@ in the layout the packed matmul reads. One row of K values becomes:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F16, F32, I8, I32, Emitter, storage_type
+from llamir.backends.llvm.emit import F16, F32, I8, I32, Emitter, storage_type, vec
 from llamir.backends.llvm.kernels.repack import QFormat
 from llamir.backends.llvm.plan import Kernel, Ref
 
@@ -136,24 +138,55 @@ class QuantAct(Kernel):
 
 
 # -- Q8_K rows for the K-quant kernels (matmul_quant_k.py) ----------------------------------------------
-def k_act_layout(K: int) -> tuple[int, int, int, int, int]:
-    """(nb, off_d, off_bsums, off_pairs, row_bytes) of one Q8_K activation row for MatMulQK:
+@dataclass(frozen=True)
+class KActLayout:
+    """Where the parts of one Q8_K activation row for MatMulQK are (byte offsets):
 
-    qs     K int8 (quantize_row_q8_K_ref)
-    d      nb float32
-    bsums  nb*16 int32: sums of 16 consecutive q
-    pairs  nb*64 int32: per 4-value chunk, 4*(q0+q1) in the low int16 and 4*(q2+q3) in the high
-           one (what Q3_K's +4 offset adds to a vpmaddubsw of that chunk)"""
-    nb = K // 256
-    off_d = K
-    off_bs = off_d + 4 * nb
-    off_pairs = off_bs + 64 * nb
-    row = off_pairs + 256 * nb
-    return nb, off_d, off_bs, off_pairs, -(-row // 64) * 64
+    qs       K int8 (quantize_row_q8_K_ref), at 0
+    d        nb float32
+    bsums    nb*16 int32: sums of 16 consecutive q
+    pairs16  nb*8 int32: (bsums[2l], bsums[2l+1]) as two int16 (Q2_K's mins pairs, vpmaddwd)
+    pairs32  nb*4 int32: (s[2l], s[2l+1]) of the 32-value sums s (Q4_K/Q5_K's mins pairs)
+    chunk4   nb*64 int32: per 4-value chunk, 4*(q0+q1) in the low int16 and 4*(q2+q3) in the high
+             one (what Q3_K's +4 adds to a vpmaddubsw of that chunk)"""
+
+    K: int
+
+    @property
+    def nb(self) -> int:
+        return self.K // 256
+
+    @property
+    def d(self) -> int:
+        return self.K
+
+    @property
+    def bsums(self) -> int:
+        return self.d + 4 * self.nb
+
+    @property
+    def pairs16(self) -> int:
+        return self.bsums + 64 * self.nb
+
+    @property
+    def pairs32(self) -> int:
+        return self.pairs16 + 32 * self.nb
+
+    @property
+    def chunk4(self) -> int:
+        return self.pairs32 + 16 * self.nb
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-(self.chunk4 + 256 * self.nb) // 64) * 64
+
+
+def _i16_pair(b, lo, hi):
+    return b.or_(b.and_(lo, ir.Constant(I32, 0xFFFF)), b.shl(hi, ir.Constant(I32, 16)))
 
 
 class QuantActK(Kernel):
-    """Quantize rows of b [.., N, K] (any float type, any row strides) to k_act_layout rows."""
+    """Quantize rows of b [.., N, K] (any float type, any row strides) to KActLayout rows."""
 
     def __init__(self, out, src: Ref, K: int):
         src = src.padded()
@@ -170,19 +203,19 @@ class QuantActK(Kernel):
 
         shape, st = a.ints[0:3], a.ints[3:7]
         r0, r1 = em.split(em.n_rows(shape), a.ith, a.nth)
-        nb, off_d, off_bs, off_pairs, row_bytes = k_act_layout(self.K)
+        lay = KActLayout(self.K)
         ety = storage_type(self.src_dtype)
         with em.loop(r0, r1, name="row") as r:
             src = row_pointer(em, a.ptrs[1], r, shape, st[:3])
-            dst = em.gep(a.ptrs[0], em.mul(r, row_bytes))
+            dst = em.gep(a.ptrs[0], em.mul(r, lay.row_bytes))
 
             def x_at(i):
                 return em.to_f32(em.load(ety, src, em.mul(i, st[3])), self.src_dtype)
 
-            with em.loop(0, nb, name="sblk") as s:
-                self._super_block(em, x_at, dst, s, off_d, off_bs, off_pairs)
+            with em.loop(0, lay.nb, name="sblk") as s:
+                self._super_block(em, x_at, dst, s, lay)
 
-    def _super_block(self, em: Emitter, x_at, dst, s, off_d, off_bs, off_pairs) -> None:
+    def _super_block(self, em: Emitter, x_at, dst, s, lay: KActLayout) -> None:
         b = em.b
         base = em.mul(s, 256)
         amax, mx = em.var(F32, em.f32(0.0)), em.var(F32, em.f32(0.0))
@@ -195,21 +228,40 @@ class QuantActK(Kernel):
         m = em.get(mx)
         zero = b.fcmp_ordered("==", m, em.f32(0.0))
         iscale = b.select(zero, em.f32(0.0), b.fdiv(em.f32(-127.0), m))
-        em.store(b.select(zero, em.f32(0.0), b.fdiv(em.f32(1.0), iscale)), dst, em.add(off_d, em.mul(s, 4)))
-        with em.loop(0, 16, name="sub") as t:
-            total = ir.Constant(I32, 0)
-            for c in range(4):
-                chunk = em.add(em.mul(t, 4), c)
-                q = []
-                for u in range(4):
-                    at = em.add(base, em.add(em.mul(chunk, 4), u))
-                    v = em.intrinsic("llvm.roundeven.f32", F32, [b.fmul(iscale, x_at(at))])
-                    qi = b.fptosi(em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0)), I32)
-                    em.store(b.trunc(qi, I8), dst, at)
-                    q.append(qi)
-                lo = b.shl(b.add(q[0], q[1]), ir.Constant(I32, 2))
-                hi = b.shl(b.add(q[2], q[3]), ir.Constant(I32, 2))
-                pair = b.or_(b.and_(lo, ir.Constant(I32, 0xFFFF)), b.shl(hi, ir.Constant(I32, 16)))
-                em.store(pair, dst, em.add(off_pairs, em.mul(em.add(em.mul(s, 64), chunk), 4)))
-                total = b.add(total, b.add(b.add(q[0], q[1]), b.add(q[2], q[3])))
-            em.store(total, dst, em.add(off_bs, em.mul(em.add(em.mul(s, 16), t), 4)))
+        em.store(b.select(zero, em.f32(0.0), b.fdiv(em.f32(1.0), iscale)), dst, em.add(lay.d, em.mul(s, 4)))
+
+        def at(field: str, index):                     # byte offset of int32 entry `index` of super-block s
+            per = {"chunk4": 64, "pairs16": 8, "pairs32": 4}.get(field, 16)
+            return em.add(getattr(lay, field), em.mul(em.add(em.mul(s, per), index), 4))
+
+        with em.loop(0, 4, name="quad") as p:          # 64 values: two 32-sums of two 16-sums each
+            sums32 = []
+            for h32 in range(2):
+                sums16 = []
+                for h16 in range(2):
+                    t = em.add(em.mul(p, 4), 2 * h32 + h16)
+                    sums16.append(self._sixteen(em, x_at, dst, iscale, base, t, at, lay))
+                em.store(_i16_pair(b, *sums16), dst, at("pairs16", em.add(em.mul(p, 2), h32)))
+                sums32.append(b.add(*sums16))
+            em.store(_i16_pair(b, *sums32), dst, at("pairs32", p))
+
+    def _sixteen(self, em: Emitter, x_at, dst, iscale, base, t, at, lay: KActLayout):
+        """Quantize values 16t .. 16t+15 of the super-block (one 16-lane vector); store them, their
+        chunk pairs and their sum, which is returned."""
+        b = em.b
+        v16f, v16i = vec(F32, 16), vec(I32, 16)
+        start = em.add(base, em.mul(t, 16))
+        xv = ir.Constant(v16f, None)
+        for u in range(16):
+            xv = b.insert_element(xv, x_at(em.add(start, u)), ir.Constant(I32, u))
+        v = em.intrinsic("llvm.roundeven.v16f32", v16f, [b.fmul(em.splat(iscale, 16), xv)])
+        q = b.fptosi(em.fmin(em.fmax(v, ir.Constant(v16f, [-128.0] * 16)), ir.Constant(v16f, [127.0] * 16)), v16i)
+        em.store(b.trunc(q, vec(I8, 16)), dst, start)
+        pairs = b.add(em.shuffle(q, None, range(0, 16, 2)), em.shuffle(q, None, range(1, 16, 2)))   # [8]
+        four = b.shl(pairs, ir.Constant(vec(I32, 8), [2] * 8))
+        packed = b.or_(b.and_(em.shuffle(four, None, range(0, 8, 2)), ir.Constant(vec(I32, 4), [0xFFFF] * 4)),
+                       b.shl(em.shuffle(four, None, range(1, 8, 2)), ir.Constant(vec(I32, 4), [16] * 4)))
+        em.store(packed, dst, at("chunk4", em.mul(t, 4)))
+        total = em.intrinsic("llvm.vector.reduce.add.v16i32", I32, [q])
+        em.store(total, dst, at("bsums", t))
+        return total

@@ -8,7 +8,8 @@ A weight [M, K] becomes groups of 16 rows (M padded with zero rows); each (group
            sums). Q4_K packs two chunks per vector: chunk c (c % 8 < 4) in the low nibbles and
            chunk c+4 in the high ones, so one sub-block's 8 chunks are 4 vectors.
     sc     S sub-block scales per row, int16 [S][16]   (S = 16 for Q2_K/Q3_K/Q6_K, 8 otherwise)
-    mn     the sub-block mins, int16 [S][16]            (Q2_K, Q4_K, Q5_K)
+    mn     the sub-block mins in pairs, int16 [S/2][16][2]: (m[2l], m[2l+1]) per row, for a
+           vpmaddwd with the activation's sum pairs  (Q2_K, Q4_K, Q5_K)
     d      the super-block's fp16 d as float32 [16]
     dmin   its fp16 dmin as float32 [16]                (Q2_K, Q4_K, Q5_K)
 
@@ -142,11 +143,12 @@ def repack_k(raw: np.ndarray, fmt: KFormat) -> np.ndarray:
         q = q.reshape(groups, nb, 8, 2, 4, G, 4)
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
     parts = [np.ascontiguousarray(q, dtype=np.uint8).reshape(groups, nb, -1)]
-    for arr in (sc, mn):
-        if arr is not None:
-            arr = _pad_rows(arr.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs)
-            parts.append(np.ascontiguousarray(arr.transpose(0, 2, 3, 1), dtype="<i2").view(np.uint8)
-                         .reshape(groups, nb, -1))
+    sc = _pad_rows(sc.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs).transpose(0, 2, 3, 1)
+    parts.append(np.ascontiguousarray(sc, dtype="<i2").view(np.uint8).reshape(groups, nb, -1))
+    if mn is not None:   # [g, 16, nb, S/2, 2] -> [g, nb, S/2, 16, 2]
+        mn = _pad_rows(mn.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs // 2, 2)
+        parts.append(np.ascontiguousarray(mn.transpose(0, 2, 3, 1, 4), dtype="<i2").view(np.uint8)
+                     .reshape(groups, nb, -1))
     for arr in (d, dmin):
         if arr is not None:
             arr = _pad_rows(arr.reshape(m, nb), groups).reshape(groups, G, nb)
