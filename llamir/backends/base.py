@@ -199,8 +199,8 @@ class Device:
 CPU_MEMORY = 64 << 30
 
 
-def cpu_device(name: str = "cpu") -> Device:
-    return Device(name, DeviceType.CPU, CPU_MEMORY, "host CPU (numpy)", alignment=32)
+def cpu_device(name: str = "cpu", description: str = "host CPU (numpy)") -> Device:
+    return Device(name, DeviceType.CPU, CPU_MEMORY, description, alignment=32)
 
 
 @dataclass

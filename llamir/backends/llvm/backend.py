@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from llamir.backends.base import Backend, BackendError, default_threads
+from llamir.backends.base import Backend, BackendError, cpu_device, default_threads
 from llamir.backends.llvm.cache import CompileCache
 from llamir.backends.llvm.codegen import (
     ARENA_SIZE,
@@ -64,6 +64,7 @@ class LLVMBackend(Backend):
         see llamir.ir.numerics); any profile runs on any x86 target."""
         self.target = target or host_target()
         self.numerics = numerics_named(numerics)
+        self.device = cpu_device("cpu", f"host CPU (LLVM JIT, {self.target.describe()}, numerics {self.numerics})")
         self.n_threads = n_threads or default_threads()
         self.passes = passes
         if disk_cache:
