@@ -61,8 +61,14 @@ def numerics_named(profile: str | Numerics | None) -> Numerics:
 
 @functools.cache
 def host_numerics() -> Numerics:
-    """The profile of the build llama.cpp makes for this CPU: GGML_AVX512 is on when the CPU has
-    AVX-512F (as .ci/run and llama.cpp's native build decide), AVX2 otherwise."""
+    """The default profile: $LLAMIR_NUMERICS when set (for a llama.cpp built for another CPU),
+    else the build llama.cpp makes for this CPU: GGML_AVX512 is on when the CPU has AVX-512F (as
+    .ci/run and llama.cpp's native build decide), AVX2 otherwise."""
+    chosen = os.environ.get("LLAMIR_NUMERICS", "").strip()
+    if chosen:
+        if chosen not in PROFILES:
+            raise ValueError(f"LLAMIR_NUMERICS={chosen!r} is not a numerics profile; choose one of {', '.join(PROFILES)}")
+        return PROFILES[chosen]
     return AVX512 if "avx512f" in _cpu_flags() else AVX2
 
 
