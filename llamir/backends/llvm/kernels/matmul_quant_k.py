@@ -30,6 +30,8 @@ L2_BUDGET = 1 << 20
 RN = 6                                   # tokens per tile in the full-sum modes
 TILED_MIN_ROWS = 8                       # ggml_tiled_min_batch
 GEMM_SPAN_SUBS = {"q4_k": 2, "q2_k": 8}  # sub-blocks per fma in the repacked gemm: 64 / 128 values
+# largest |sc * sum(q * q8)| of one sub-block: scale * value * 127 * values per sub-block
+_MAX_SCALED_DOT = {"q4_k": 63 * 15 * 127 * 32, "q2_k": 15 * 3 * 127 * 16}
 
 
 def maddubs(em: Emitter, w, x):
@@ -183,9 +185,12 @@ class _Pass:
         fzero, izero = ir.Constant(vf, [0.0] * G), ir.Constant(vi, [0] * G)
         acc = [em.var(vf, fzero) for _ in range(rn)]
         accm = [em.var(vf, fzero) for _ in range(rn)] if fmt.has_min and mode != "tiled" else []
-        isum = [em.var(vi) for _ in range(rn)]
         rows = [self._row(em.add(nt, j)) for j in range(rn)]
         span = GEMM_SPAN_SUBS[fmt.dtype] if mode == "gemm" else fmt.subs
+        # where every partial sum of sc * dot stays below 2^24 (the gemm's short spans), it is summed in
+        # float32, exactly, with vcvtdq2ps + vfmadd (ports 0 and 5) instead of vpmulld (port 0 twice)
+        in_float = em.target.vnni512 and mode == "gemm" and span * _MAX_SCALED_DOT[fmt.dtype] < 1 << 24
+        isum = [em.var(vf if in_float else vi) for _ in range(rn)]
         per = fmt.chunks_per_sub
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
@@ -198,17 +203,24 @@ class _Pass:
                 scales = [(b.fmul(dw, x), None if dmin is None else b.fmul(dmin, x), None) for x in dx]
             with em.loop(0, fmt.subs // span, name="span") as sp:
                 for slot in isum:
-                    em.set(slot, izero)
+                    em.set(slot, fzero if in_float else izero)
                 with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
                     chunks = self._chunks(wb, em.mul(s, per), per)
                     sc16 = self._scales(wb, s)
                     sc32 = b.sext(sc16, vi)
                     scd = None if em.target.vnni512 else em.shuffle(sc16, None, [i // 2 for i in range(2 * G)])
+                    scf = b.sitofp(sc32, vf) if in_float else None
                     for j, xr in enumerate(rows):
-                        em.set(isum[j], b.add(em.get(isum[j]), self._scaled_dot(chunks, sc32, scd, xr, k, s)))
+                        if in_float:
+                            dot = b.sitofp(self._dot_chain(chunks, xr, k, s), vf)
+                            em.set(isum[j], em.fma(dot, scf, em.get(isum[j])))
+                        else:
+                            em.set(isum[j], b.add(em.get(isum[j]), self._scaled_dot(chunks, sc32, scd, xr, k, s)))
                 for j, xr in enumerate(rows):
                     msum = self._min_pairs(wb, xr, k, em.mul(sp, span // 2), span // 2) if fmt.has_min else None
-                    self._flush(mode, acc[j], accm[j] if accm else None, em.get(isum[j]), msum, scales[j])
+                    total = em.get(isum[j])
+                    self._flush(mode, acc[j], accm[j] if accm else None, total if in_float else b.sitofp(total, vf),
+                                msum, scales[j])
         for j in range(rn):
             total = em.get(acc[j])
             if accm:
@@ -216,31 +228,38 @@ class _Pass:
             self._store(g, em.add(nt, j), total, valid)
 
     def _scaled_dot(self, chunks, sc32, scd, xr, k, s):
-        """sc * sum(q * q8) over sub-block s, per row, exact int32, the stored offset undone by
-        starting from -offset * (the sub-block's activation sum)."""
+        """sc * sum(q * q8) over sub-block s, per row, exact int32: a vpdpbusd chain times sc, or
+        vpmaddubsw + vpmaddwd(sc) without VNNI, the stored offset undone through the bsums."""
         em, b, fmt = self.em, self.em.b, self.fmt
-        vi = vec(I32, G)
+        if em.target.vnni512:
+            return b.mul(self._dot_chain(chunks, xr, k, s), sc32)
         xq = em.gep(xr, em.mul(k, 256))
         c0 = em.mul(s, fmt.chunks_per_sub)
-        xs = [self._x(xq, em.add(c0, i)) for i in range(fmt.chunks_per_sub)]
-        neg = None
+        part = None
         if fmt.offset:
-            neg = em.splat(b.mul(self._int(xr, "bsums", k, s), ir.Constant(I32, -fmt.offset)), G, I32)
-        if em.target.vnni512:
-            d = neg if neg is not None else ir.Constant(vi, [0] * G)
-            for w, x in zip(chunks, xs, strict=True):
-                d = dpbusd(em, d, w, x)
-            return b.mul(d, sc32)
-        part = None if neg is None else b.mul(sc32, neg)
-        for w, x in zip(chunks, xs, strict=True):
-            p = maddwd(em, maddubs(em, w, x), scd)
+            neg = b.mul(self._int(xr, "bsums", k, s), ir.Constant(I32, -fmt.offset))
+            part = b.mul(sc32, em.splat(neg, G, I32))
+        for i, w in enumerate(chunks):
+            p = maddwd(em, maddubs(em, w, self._x(xq, em.add(c0, i))), scd)
             part = p if part is None else b.add(part, p)
         return part
 
-    def _flush(self, mode: str, acc, accm, isum, msum, scales) -> None:
+    def _dot_chain(self, chunks, xr, k, s):
+        """sum(q * q8) over sub-block s per row (one vpdpbusd chain), offset undone, exact int32."""
+        em, b, fmt = self.em, self.em.b, self.fmt
+        xq = em.gep(xr, em.mul(k, 256))
+        c0 = em.mul(s, fmt.chunks_per_sub)
+        d = ir.Constant(vec(I32, G), [0] * G)
+        if fmt.offset:
+            d = em.splat(b.mul(self._int(xr, "bsums", k, s), ir.Constant(I32, -fmt.offset)), G, I32)
+        for i, w in enumerate(chunks):
+            d = dpbusd(em, d, w, self._x(xq, em.add(c0, i)))
+        return d
+
+    def _flush(self, mode: str, acc, accm, s1, msum, scales) -> None:
+        """One span's float update from its integer sum s1 (as float32) and min sum msum."""
         em, b = self.em, self.em.b
         vf = vec(F32, G)
-        s1 = b.sitofp(isum, vf)
         if mode == "tiled":   # res = d*s1 - dmin*s2 (fnmadd); y = fma(res, d_x, y)
             dw, neg_dmin, dx = scales
             res = b.fmul(s1, dw)
