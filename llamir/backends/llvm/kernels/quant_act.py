@@ -218,14 +218,7 @@ class QuantActK(Kernel):
     def _super_block(self, em: Emitter, x_at, dst, s, lay: KActLayout) -> None:
         b = em.b
         base = em.mul(s, 256)
-        amax, mx = em.var(F32, em.f32(0.0)), em.var(F32, em.f32(0.0))
-        with em.loop(0, 256, name="max") as j:
-            x = x_at(em.add(base, j))
-            ax = em.intrinsic("llvm.fabs.f32", F32, [x])
-            bigger = b.fcmp_ordered("<", em.get(amax), ax)
-            em.set(amax, b.select(bigger, ax, em.get(amax)))
-            em.set(mx, b.select(bigger, x, em.get(mx)))
-        m = em.get(mx)
+        m = self._signed_max(em, x_at, base)
         zero = b.fcmp_ordered("==", m, em.f32(0.0))
         iscale = b.select(zero, em.f32(0.0), b.fdiv(em.f32(-127.0), m))
         em.store(b.select(zero, em.f32(0.0), b.fdiv(em.f32(1.0), iscale)), dst, em.add(lay.d, em.mul(s, 4)))
@@ -244,6 +237,30 @@ class QuantActK(Kernel):
                 em.store(_i16_pair(b, *sums16), dst, at("pairs16", em.add(em.mul(p, 2), h32)))
                 sums32.append(b.add(*sums16))
             em.store(_i16_pair(b, *sums32), dst, at("pairs32", p))
+
+    def _signed_max(self, em: Emitter, x_at, base):
+        """The first value of largest magnitude among base .. base+255 (the reference's scan with
+        `amax < fabsf(x)`): 16 lanes each keep their first maximum and its position, then the
+        earliest position among the lanes holding the largest magnitude wins."""
+        b = em.b
+        v16f, v16i = vec(F32, 16), vec(I32, 16)
+        amax, mx = em.var(v16f, ir.Constant(v16f, [0.0] * 16)), em.var(v16f, ir.Constant(v16f, [0.0] * 16))
+        where = em.var(v16i, ir.Constant(v16i, list(range(16))))
+        with em.loop(0, 16, name="max") as t:
+            xv = ir.Constant(v16f, None)
+            for u in range(16):
+                xv = b.insert_element(xv, x_at(em.add(base, em.add(em.mul(t, 16), u))), ir.Constant(I32, u))
+            ax = em.intrinsic("llvm.fabs.v16f32", v16f, [xv])
+            bigger = b.fcmp_ordered("<", em.get(amax), ax)
+            em.set(amax, b.select(bigger, ax, em.get(amax)))
+            em.set(mx, b.select(bigger, xv, em.get(mx)))
+            pos = b.add(em.splat(b.trunc(em.mul(t, 16), I32), 16, I32), ir.Constant(v16i, list(range(16))))
+            em.set(where, b.select(bigger, pos, em.get(where)))
+        top = em.reduce_fmax(em.get(amax))
+        cand = b.fcmp_ordered("==", em.get(amax), em.splat(top, 16))
+        pos = b.select(cand, em.get(where), ir.Constant(v16i, [1 << 30] * 16))
+        first = em.intrinsic("llvm.vector.reduce.umin.v16i32", I32, [pos])
+        return b.extract_element(em.get(mx), b.and_(first, ir.Constant(I32, 15)))
 
     def _sixteen(self, em: Emitter, x_at, dst, iscale, base, t, at, lay: KActLayout):
         """Quantize values 16t .. 16t+15 of the super-block (one 16-lane vector); store them, their
