@@ -335,12 +335,11 @@ class _Pass:
                     p = b.sub(p, four)
                 em.set(lane_vars[i], b.add(em.get(lane_vars[i]), maddwd(em, p, scd[i // fmt.chunks_per_sub])))
         lanes = [em.get(slot) for slot in lane_vars]
-        if fmt.dtype == "q6_k":   # sumi - 32 * (sc[2l]*bsums[2l] + sc[2l+1]*bsums[2l+1])
+        if fmt.dtype == "q6_k":   # sumi - 32 * (sc[2l]*bsums[2l] + sc[2l+1]*bsums[2l+1]), one vpmaddwd
+            interleave = [i // 2 + (i % 2) * G for i in range(2 * G)]
+            five = ir.Constant(vi, [5] * G)
             for lane in range(8):
-                corr = None
-                for t in (2 * lane, 2 * lane + 1):
-                    neg = b.mul(self._int(xr, "bsums", k, t), ir.Constant(I32, -32))
-                    p = b.mul(b.sext(self._scales(wb, t), vi), em.splat(neg, G, I32))
-                    corr = p if corr is None else b.add(corr, p)
-                lanes[lane] = b.add(lanes[lane], corr)
+                pair = em.shuffle(self._scales(wb, 2 * lane), self._scales(wb, 2 * lane + 1), interleave)
+                bs = b.bitcast(em.splat(self._int(xr, "pairs16", k, lane), G, I32), vec(I16, 2 * G))
+                lanes[lane] = b.sub(lanes[lane], b.shl(maddwd(em, pair, bs), five))
         return lanes
