@@ -36,6 +36,16 @@ def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
     return err / ref
 
 
+@pytest.fixture(scope="session")
+def ggml():
+    """llama.cpp's own libggml (llamir.testing.libggml), the op-level oracle; missing is a failure."""
+    from llamir.testing.libggml import LibGgml
+
+    lib = LibGgml.load()
+    assert lib is not None, "llama-cpp-python (with its libggml), the oracle, is not installed"
+    return lib
+
+
 @pytest.fixture(name="nmse")
 def nmse_fixture() -> Callable[[np.ndarray, np.ndarray], float]:
     return nmse

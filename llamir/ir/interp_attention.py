@@ -44,8 +44,7 @@ def kq_dots(k: np.ndarray, k_dtype: DType, q: np.ndarray, numerics: Numerics) ->
         return float_x86.vec_dots(k, f32_to_bf16(q), numerics)
     if k_dtype == F32:
         return float_x86.vec_dots(k, q, numerics)
-    w = dataclasses.replace(quants_x86.prepare(k, k_dtype), repacked=False)   # a KV cache is never repacked
-    return quants_x86.mul_mat_exact(w, k_dtype, q)
+    return quants_x86.mul_mat_exact(quants_x86.prepare(k, k_dtype), k_dtype, q)   # a KV cache is never repacked
 
 
 @dataclasses.dataclass

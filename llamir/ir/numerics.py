@@ -67,7 +67,8 @@ def host_numerics() -> Numerics:
     chosen = os.environ.get("LLAMIR_NUMERICS", "").strip()
     if chosen:
         if chosen not in PROFILES:
-            raise ValueError(f"LLAMIR_NUMERICS={chosen!r} is not a numerics profile; choose one of {', '.join(PROFILES)}")
+            raise ValueError(f"LLAMIR_NUMERICS={chosen!r} is not a numerics profile; "
+                             f"choose one of {', '.join(PROFILES)}")
         return PROFILES[chosen]
     return AVX512 if "avx512f" in _cpu_flags() else AVX2
 

@@ -18,19 +18,12 @@ from llamir.backends.llvm import LLVMBackend
 from llamir.frontend.graph_kv import mul_mat_hadamard
 from llamir.ir import F32, I64, Q8_0, GraphBuilder, run_graph
 from llamir.ir.interp import storage_shape
-from llamir.testing.libggml import LibGgml, Raw
+from llamir.testing.libggml import Raw
 from llamir.testing.llama_cpp import oracle_numerics
 
 pytestmark = pytest.mark.llama_cpp
 
 GGML_HINT_SRC0_IS_HADAMARD, GGML_TYPE_Q8_0, GGML_TYPE_I64 = 1, 8, 27
-
-
-@pytest.fixture(scope="module")
-def ggml():
-    gg = LibGgml.load()
-    assert gg is not None, "libggml of llama-cpp-python is missing"
-    return gg
 
 
 @pytest.fixture(scope="module")

@@ -25,22 +25,6 @@ f32, f16 = np.float32, np.float16
 _DTYPES = {np.dtype(f32): F32, np.dtype(f16): F16, np.dtype(np.int32): I32}
 
 
-@pytest.fixture(scope="module")
-def ggml():
-    from llamir.testing.libggml import LibGgml
-
-    lib = LibGgml.load()
-    assert lib is not None, "llama-cpp-python (with its libggml), the oracle, is not installed"
-    return lib
-
-
-@pytest.fixture(scope="module")
-def profile():
-    from llamir.testing.llama_cpp import oracle_numerics
-
-    return oracle_numerics()
-
-
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240611)

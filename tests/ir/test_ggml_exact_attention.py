@@ -14,19 +14,12 @@ import numpy as np
 import pytest
 
 from llamir.ir import F16, F32, GraphBuilder, dtype_named, quants, run_graph
-from llamir.testing.libggml import LibGgml, Raw, assert_same_bits
+from llamir.testing.libggml import Raw, assert_same_bits
 from llamir.testing.llama_cpp import oracle_numerics
 
 pytestmark = pytest.mark.llama_cpp
 f32, f16 = np.float32, np.float16
 N_THREADS = 2
-
-
-@pytest.fixture(scope="module")
-def ggml() -> LibGgml:
-    lib = LibGgml.load()
-    assert lib is not None, "llama-cpp-python (with its libggml), the oracle, is not installed"
-    return lib
 
 
 def causal_mask(n_tokens: int, n_kv: int, n_pad_rows: int) -> np.ndarray:

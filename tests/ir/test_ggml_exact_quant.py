@@ -20,21 +20,13 @@ import pytest
 from llamir.ir import F32, I32, GraphBuilder, quants, quants_k_x86, run_graph
 from llamir.ir.dtypes import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, DType
 from llamir.ir.repack_x86 import repack_type
-from llamir.testing.libggml import LibGgml, Raw
+from llamir.testing.libggml import Raw
 
 pytestmark = pytest.mark.llama_cpp
 f32 = np.float32
 LEGACY = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
 K_QUANTS = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
 TOKENS = (1, 2, 3, 4, 7, 8, 64)   # 8: the tiled matmul's threshold
-
-
-@pytest.fixture(scope="module")
-def ggml() -> LibGgml:
-    lib = LibGgml.load()
-    if lib is None:
-        pytest.fail("llama-cpp-python (with its libggml) is not installed: the oracle is required")
-    return lib
 
 
 @pytest.fixture(scope="module")

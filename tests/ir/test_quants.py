@@ -513,12 +513,11 @@ class LibGgml:
 @pytest.fixture(scope="module")
 def libggml() -> LibGgml:
     spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        pytest.skip("llama-cpp-python is not installed")
+    assert spec is not None and spec.origin is not None, "llama-cpp-python, the oracle, is not installed"
     try:
         return LibGgml(pathlib.Path(spec.origin).parent / "lib")
     except (OSError, AttributeError) as err:
-        pytest.skip(f"llama-cpp-python's libggml cannot be loaded: {err}")
+        pytest.fail(f"llama-cpp-python's libggml cannot be loaded: {err}")
 
 
 ALL_WEIGHTS = [*FP16_FIELDS, Q8_K]
