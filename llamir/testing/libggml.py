@@ -149,6 +149,26 @@ class Raw:
     shape: tuple[int, ...]
 
 
+def new_tensor(lib: LibGgml, ctx, value: np.ndarray | Raw) -> tuple[TensorP, np.ndarray]:
+    """A tensor of `value`'s type and numpy shape in ggml context `ctx` (its data not yet written),
+    and the contiguous bytes that belong in it."""
+    if isinstance(value, Raw):
+        ggml_type, shape, data = value.ggml_type, value.shape, np.ascontiguousarray(value.data)
+    else:
+        data = np.ascontiguousarray(value)
+        if data.dtype not in _TYPE_OF_NUMPY:
+            raise TypeError(f"no ggml type for numpy {data.dtype}; wrap bytes in Raw")
+        ggml_type, shape = _TYPE_OF_NUMPY[data.dtype], data.shape
+    if not 1 <= len(shape) <= GGML_MAX_DIMS:
+        raise ValueError(f"ggml tensors have 1 to 4 dims, got shape {shape}")
+    ne = (ctypes.c_int64 * len(shape))(*reversed(shape))
+    t = lib.base.ggml_new_tensor(ctx, ggml_type, len(shape), ne)
+    nbytes = lib.base.ggml_nbytes(t)
+    if nbytes != data.nbytes:
+        raise ValueError(f"a type-{ggml_type} tensor of shape {shape} takes {nbytes} bytes, got {data.nbytes}")
+    return t, data
+
+
 class GgmlGraph:
     """A ggml context holding the inputs, the op tensors and, on compute, the work buffer."""
 
@@ -178,22 +198,8 @@ class GgmlGraph:
 
     def tensor(self, value: np.ndarray | Raw) -> TensorP:
         """A new tensor filled with `value` (float32/float16/int32 arrays, or Raw bytes)."""
-        if isinstance(value, Raw):
-            ggml_type, shape, data = value.ggml_type, value.shape, np.ascontiguousarray(value.data)
-        else:
-            data = np.ascontiguousarray(value)
-            if data.dtype not in _TYPE_OF_NUMPY:
-                raise TypeError(f"no ggml type for numpy {data.dtype}; wrap bytes in Raw")
-            ggml_type, shape = _TYPE_OF_NUMPY[data.dtype], data.shape
-        if not 1 <= len(shape) <= GGML_MAX_DIMS:
-            raise ValueError(f"ggml tensors have 1 to 4 dims, got shape {shape}")
-        ne = (ctypes.c_int64 * len(shape))(*reversed(shape))
-        t = self.lib.base.ggml_new_tensor(self.ctx, ggml_type, len(shape), ne)
-        nbytes = self.lib.base.ggml_nbytes(t)
-        if nbytes != data.nbytes:
-            raise ValueError(f"a type-{ggml_type} tensor of shape {shape} takes {nbytes} bytes, "
-                             f"got {data.nbytes}")
-        ctypes.memmove(t.contents.data, data.ctypes.data, nbytes)
+        t, data = new_tensor(self.lib, self.ctx, value)
+        ctypes.memmove(t.contents.data, data.ctypes.data, data.nbytes)
         return t
 
     def op(self, name: str, *args) -> TensorP:
@@ -270,32 +276,15 @@ class BackendGraph:
     def f(x: float) -> ctypes.c_float:
         return ctypes.c_float(x)
 
-    def _new(self, ctx: int, value: np.ndarray | Raw) -> tuple[TensorP, np.ndarray]:
-        if isinstance(value, Raw):
-            ggml_type, shape, data = value.ggml_type, value.shape, np.ascontiguousarray(value.data)
-        else:
-            data = np.ascontiguousarray(value)
-            if data.dtype not in _TYPE_OF_NUMPY:
-                raise TypeError(f"no ggml type for numpy {data.dtype}; wrap bytes in Raw")
-            ggml_type, shape = _TYPE_OF_NUMPY[data.dtype], data.shape
-        if not 1 <= len(shape) <= GGML_MAX_DIMS:
-            raise ValueError(f"ggml tensors have 1 to 4 dims, got shape {shape}")
-        ne = (ctypes.c_int64 * len(shape))(*reversed(shape))
-        t = self.lib.base.ggml_new_tensor(ctx, ggml_type, len(shape), ne)
-        nbytes = self.lib.base.ggml_nbytes(t)
-        if nbytes != data.nbytes:
-            raise ValueError(f"a type-{ggml_type} tensor of shape {shape} takes {nbytes} bytes, got {data.nbytes}")
-        return t, data
-
     def tensor(self, value: np.ndarray | Raw) -> TensorP:
         """An input tensor (activations, ids, a KV cache), filled when the graph is computed."""
-        t, data = self._new(self.ctx, value)
+        t, data = new_tensor(self.lib, self.ctx, value)
         self._pending.append((t, data))
         return t
 
     def weight(self, value: Raw | np.ndarray, op: str = "mul_mat", n_expert_used: int = 1) -> TensorP:
         """A model weight placed as llama.cpp places it for `op` ("mul_mat" or "mul_mat_id"), and set."""
-        t, data = self._new(self.ctx_w, value)
+        t, data = new_tensor(self.lib, self.ctx_w, value)
         chosen = next((b for b in self.lib.extra_bufts(self.device) if self._supports(t, op, b, n_expert_used)),
                       self.lib.base.ggml_backend_cpu_buffer_type())
         buf = self.lib.base.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx_w, chosen)

@@ -18,10 +18,8 @@ from tokenizer_fixtures import (
     ALL_VOCABS,
     LARGE,
     WITH_VECTORS,
-    VocabFilesUnavailable,
     oracle,
     read_vectors,
-    vocab_files_dir,
 )
 
 from llamir.cli import main
@@ -40,14 +38,6 @@ def _names(names: list[str]) -> list:
 # argv's surrogate escapes of the invalid UTF-8 bytes ff e2 82
 CLI_TEXT = "\n".join([*CORPUS, *random_strings(40, seed=11), "invalid \udcff\udce2\udc82 bytes"])
 N_VECTORS = 3   # vectors per file through the CLI (test_tokenizer.py checks all of them on the Vocab)
-
-
-@pytest.fixture(scope="module")
-def vocab_dir() -> Path:
-    try:
-        return vocab_files_dir()
-    except VocabFilesUnavailable as err:   # never skip: CI must fetch them
-        pytest.fail(f"llama.cpp vocab files are unavailable: {err}")
 
 
 def cli_ids(capsys: pytest.CaptureFixture[str], path: Path, text: str, *flags: str) -> list[int]:

@@ -12,24 +12,14 @@ import pytest
 from tokenizer_fixtures import (
     ALL_VOCABS,
     WITH_VECTORS,
-    VocabFilesUnavailable,
     load_vocab,
     read_vectors,
-    vocab_files_dir,
 )
 
 from llamir.frontend.gguf_file import GGUFFile
 from llamir.frontend.vocab import Vocab
 from llamir.frontend.vocab_gguf import read_metadata
 from llamir.frontend.vocab_hash_order import hash_bytes
-
-
-@pytest.fixture(scope="session")
-def vocab_dir() -> Path:
-    try:
-        return vocab_files_dir()
-    except VocabFilesUnavailable as err:   # never skip: CI must fetch them
-        pytest.fail(f"llama.cpp vocab files are unavailable: {err}")
 
 
 @pytest.mark.parametrize("name", WITH_VECTORS)

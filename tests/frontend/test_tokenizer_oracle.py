@@ -16,11 +16,9 @@ from tokenizer_fixtures import (
     ALL_VOCABS,
     LARGE,
     Oracle,
-    VocabFilesUnavailable,
     load_vocab,
     oracle,
     smollm2_path,
-    vocab_files_dir,
     write_synthetic_bpe,
 )
 
@@ -33,14 +31,6 @@ pytestmark = pytest.mark.llama_cpp
 NAMES = [pytest.param(n, marks=pytest.mark.slow) if n in LARGE else n for n in [*ALL_VOCABS, "smollm2"]]
 TEXTS = [s.encode("utf-8") for s in CORPUS + random_strings(80)] + BYTE_CORPUS
 FLAGS = [(add, parse) for add in (False, True) for parse in (False, True)]
-
-
-@pytest.fixture(scope="module")
-def vocab_dir() -> Path:
-    try:
-        return vocab_files_dir()
-    except VocabFilesUnavailable as err:   # never skip: CI must fetch them
-        pytest.fail(f"llama.cpp vocab files are unavailable: {err}")
 
 
 @pytest.fixture
