@@ -155,7 +155,13 @@ class ModuleBuilder:
         index = {id(s): i for i, s in enumerate(self.plan.steps)}
         for stage in range(self.plan.n_stages):
             if stage:
-                b.call(barrier, [pool, nth])
+                guard = self.plan.conditional.get(stage)
+                if guard is None:
+                    b.call(barrier, [pool, nth])
+                else:   # every thread evaluates the same run-time condition
+                    args = [em.i64(self._expr(em, frame, e, values)) for e in guard.barrier_args]
+                    with em.if_(guard.barrier_if(em, args)):
+                        b.call(barrier, [pool, nth])
                 stamp(1 + n_steps + stage)
             for step in (s for s in self.plan.steps if s.stage == stage):
                 kfn = self.kernel_fn(step.kernel)

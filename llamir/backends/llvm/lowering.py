@@ -109,13 +109,15 @@ class Lowerer:
         return self.plan.temp(nbytes, label, per_thread)
 
     def step(self, kernel: Kernel, ptrs: Sequence, reads: Sequence[Ref | Buffer], writes: Sequence[Ref | Buffer],
-             part: Part | None = None, read_parts: Sequence[Part | None] = (), node: Node | None = None) -> Step:
+             part: Part | None = None, read_parts: Sequence[Part | None] = (), node: Node | None = None,
+             barrier_if=None, barrier_args: Sequence = ()) -> Step:
         def buf(x):
             return x.buf if isinstance(x, Ref) else x
 
         kernel.numerics = self.numerics
         s = Step(kernel, list(ptrs), [buf(r) for r in reads], [buf(w) for w in writes], part,
-                 [p for p in read_parts if p is not None], node if node is not None else self.current)
+                 [p for p in read_parts if p is not None], node if node is not None else self.current,
+                 barrier_if=barrier_if, barrier_args=tuple(barrier_args))
         self.plan.steps.append(s)
         return s
 

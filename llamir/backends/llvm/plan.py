@@ -15,7 +15,7 @@ Temporaries then share arena memory when their stage intervals do not overlap.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llamir.backends.llvm import expr as E
@@ -149,6 +149,10 @@ class Step:
     read_parts: list[Part] = field(default_factory=list)
     node: Node | None = None
     stage: int = -1
+    # when this step starts a stage, the barrier before it runs only if barrier_if(em, values of
+    # barrier_args) holds at run time (the same for every thread): for work that only some batches do
+    barrier_if: Callable | None = None
+    barrier_args: tuple = ()
 
 
 class Plan:
@@ -164,6 +168,7 @@ class Plan:
         self.packed: dict[str, Buffer] = {}   # repacked weights, by "leaf|format"
         self.leaf_views: dict[str, Ref] = {}  # outputs that are views of a leaf's memory
         self.n_stages = 0
+        self.conditional: dict[int, Step] = {}   # stage -> the step whose condition guards its barrier
         self.arena_size: Expr = 0
         self.sites: list[str] = []      # error sites: what a kernel reports in the frame
         self.keep_values = False         # observation: no temporary shares memory with another
@@ -191,12 +196,17 @@ class Plan:
     def assign_stages(self) -> None:
         """Give each step a stage; a barrier runs between consecutive stages."""
         stage = 0
+        self.conditional = {}
         written: dict[int, list[Part | None]] = {}   # buffer id -> the parts written this stage
         read: set[int] = set()
         for step in self.steps:
             if self._needs_barrier(step, written, read):
                 stage += 1
-                written, read = {}, set()
+                if step.barrier_if is not None:
+                    # the barrier may be skipped: what follows still sees the last stage's writes
+                    self.conditional[stage] = step
+                else:
+                    written, read = {}, set()
             step.stage = stage
             for buf in step.writes:
                 written.setdefault(id(buf), []).append(step.part)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from llamir.backends.llvm import expr as E
-from llamir.backends.llvm.kernels.attention import FlashAttn, FlashAttnReduce, scratch_bytes
+from llamir.backends.llvm.kernels.attention import FlashAttn, FlashAttnReduce, scratch_bytes, split_kv
 from llamir.backends.llvm.kernels.matmul_lower import contiguous_rows
 from llamir.backends.llvm.lowering import Lowerer, lowering
 from llamir.ir import Node, ops
@@ -46,8 +46,11 @@ def lower_flash_attn(L: Lowerer, node: Node) -> None:
     kernel = FlashAttn(y, q, k, v, mask, sinks, scores, split, op.scale, op.logit_softcap, alibi)
     ptrs = [y, q, k, v, (scratch, 0)] + extra + ([(partials, 0)] if split else [])
     L.step(kernel, ptrs, [q, k, v] + extra, [y, scratch] + ([partials] if split else []))
-    if split:
-        L.step(FlashAttnReduce(y, q, k), [y, (partials, 0)], [partials], [y])
+    if split:   # its barrier only when this batch did split (one row over 512+ cells)
+        S, _, T, _ = q.shape
+        L.step(FlashAttnReduce(y, q, k), [y, (partials, 0)], [partials], [y],
+               barrier_if=lambda em, a: split_kv(em, {"S": a[0], "T": a[1], "n_kv": a[2]}),
+               barrier_args=(S, T, k.shape[2]))
 
 
 def _quantized_scores(L: Lowerer, node: Node, k) -> object:
