@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,7 +11,8 @@ import numpy as np
 log = logging.getLogger("llamir")
 
 LLAMA_MAX_SEQ = 256
-_POS_MAX = np.iinfo(np.int32).max - 1   # llama_pos is int32; a cell's pos + 1 must fit
+I32_MIN, I32_MAX = -2**31, 2**31 - 1        # llama_token, llama_pos and llama_seq_id are int32
+_POS_MAX = I32_MAX - 1                      # a cell's pos + 1 must fit
 _EMPTY_POS = np.zeros(0, dtype=np.int32)
 _EMPTY_POS.flags.writeable = False
 _EMPTY_OUTPUT = np.zeros(0, dtype=bool)
@@ -22,12 +23,158 @@ class BatchError(ValueError):
     """An invalid batch; decode turns it into status -1. The message names the bad entry."""
 
 
+# -- field checks ----------------------------------------------------------------------------------
+# A Batch's fields are checked when it is made and again by decode and encode (a field may have
+# been replaced or changed since): each check takes whatever is there and returns the field's one
+# canonical form, or raises BatchError naming the field, the index and the value.
+
+def is_integer(value) -> bool:
+    """A Python or numpy integer; not a bool (True is an int to Python, never an id here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _short(value) -> str:
+    text = repr(value.item() if isinstance(value, np.generic) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _items(name: str, value) -> list:
+    """The elements of a list-like field (a str, a mapping or a scalar is not one)."""
+    if isinstance(value, (str, bytes, bytearray, dict)) or not isinstance(value, Iterable):
+        raise BatchError(f"{name} must be a list, got {type(value).__name__} {_short(value)}")
+    if isinstance(value, np.ndarray) and value.ndim != 1:
+        raise BatchError(f"{name} must be one-dimensional, got an array of shape {value.shape}")
+    try:
+        return list(value)
+    except Exception as err:  # noqa: BLE001 - a user's iterable may raise anything
+        raise BatchError(f"{name} could not be read as a list: {type(err).__name__}: {err}") from None
+
+
+def _int32_at(name: str, i, value) -> int:
+    """`value` as an int, if it is an integer in llama.cpp's int32 range."""
+    if type(value) is not int:
+        if not is_integer(value):
+            raise BatchError(f"{name}[{i}] = {_short(value)} is not an integer")
+        value = int(value)
+    if not I32_MIN <= value <= I32_MAX:
+        raise BatchError(f"{name}[{i}] = {value} is out of range (an int32: {I32_MIN}..{I32_MAX})")
+    return value
+
+
+def int_array(name: str, value) -> np.ndarray:
+    """A 1-D int64 array of `value`'s elements, each an integer in llama.cpp's int32 range."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        if len(value) and (value.min() < I32_MIN or value.max() > I32_MAX):
+            i = int(np.flatnonzero((value < I32_MIN) | (value > I32_MAX))[0])
+            _int32_at(name, i, value[i])
+        return value.astype(np.int64, copy=value.dtype != np.int64)
+    items = _items(name, value)
+    return np.array([_int32_at(name, i, x) for i, x in enumerate(items)], dtype=np.int64)
+
+
+def flag_array(name: str, value) -> np.ndarray:
+    """A 1-D bool array of `value`'s flags: each True/False or 1/0 (a string is never a flag)."""
+    if isinstance(value, str):
+        raise BatchError(f"{name} must be a list of flags, got the string {value!r} "
+                         f"(Batch.from_tokens takes 'last', 'all' or 'none')")
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biu":
+        if value.dtype.kind != "b" and len(value) and (value.min() < 0 or value.max() > 1):
+            i = int(np.flatnonzero((value < 0) | (value > 1))[0])
+            raise BatchError(f"{name}[{i}] = {value[i]} is not a flag (True/False or 1/0)")
+        return value.astype(bool, copy=value.dtype != bool)
+    items = _items(name, value)
+    for i, x in enumerate(items):
+        if not (isinstance(x, (bool, np.bool_)) or (is_integer(x) and x in (0, 1))):
+            raise BatchError(f"{name}[{i}] = {_short(x)} is not a flag (True/False or 1/0)")
+    return np.array(items, dtype=bool).reshape(-1)
+
+
+def seq_id_lists(name: str, value) -> list[tuple[int, ...]]:
+    """One tuple of sequence ids per token; a token given a single id gets a one-id tuple."""
+    out = []
+    for i, ids in enumerate(_items(name, value)):
+        if type(ids) is tuple and all(type(s) is int and I32_MIN <= s <= I32_MAX for s in ids):
+            pass                                   # already canonical: the common, fast case
+        elif is_integer(ids):
+            ids = (_int32_at(name, i, ids),)
+        else:
+            ids = tuple(_int32_at(f"{name}[{i}]", j, s) for j, s in enumerate(_items(f"{name}[{i}]", ids)))
+        if not ids:
+            raise BatchError(f"{name}[{i}] is empty: token {i} belongs to no sequence")
+        out.append(ids)
+    return out
+
+
+def embd_array(name: str, value) -> np.ndarray:
+    """A C-contiguous float32 [n_tokens, n_embd] array of real numbers."""
+    if not isinstance(value, np.ndarray):
+        if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+            raise BatchError(f"{name} must be [n_tokens, n_embd] numbers, got {type(value).__name__}")
+        try:
+            value = np.asarray(value)
+        except (ValueError, TypeError) as err:
+            raise BatchError(f"{name} is not a rectangular array of numbers: {err}") from None
+    if value.ndim != 2:
+        raise BatchError(f"{name} must be [n_tokens, n_embd], got shape {value.shape}")
+    if value.dtype.kind not in "fiu" and value.size:
+        raise BatchError(f"{name} must hold real numbers, got a {value.dtype} array")
+    with np.errstate(over="ignore"):           # a float64 beyond float32's range becomes inf, as a cast in C
+        return np.ascontiguousarray(value, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class BatchFields:
+    """A batch's fields, checked and in their canonical types (what the allocator reads)."""
+
+    tokens: np.ndarray | None        # int64 [n_tokens]
+    embd: np.ndarray | None          # float32 [n_tokens, n_embd]
+    pos: np.ndarray | None           # int64 [n_tokens]
+    seq_ids: list[tuple[int, ...]] | None
+    logits: np.ndarray | None        # bool [n_tokens]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) if self.tokens is not None else len(self.embd)
+
+
+def check_fields(tokens, embd, pos, seq_ids, logits) -> BatchFields:
+    """Every field checked (kinds, int32 ranges, lengths); what needs a model or a memory (the
+    vocab size, n_seq_max, positions against the cache) is BatchAllocator.init's."""
+    tokens = None if tokens is None else int_array("tokens", tokens)
+    embd = None if embd is None else embd_array("embd", embd)
+    if (tokens is None) == (embd is None):
+        raise BatchError("a batch needs exactly one of tokens and embd")
+    n = len(tokens) if tokens is not None else len(embd)
+    if pos is not None:
+        pos = int_array("pos", pos)
+        if len(pos) != n:
+            raise BatchError(f"{len(pos)} positions for {n} tokens")
+    if seq_ids is not None:
+        seq_ids = seq_id_lists("seq_ids", seq_ids)
+        if len(seq_ids) != n:
+            raise BatchError(f"{len(seq_ids)} seq_id lists for {n} tokens")
+    if logits is not None:
+        logits = flag_array("logits", logits)
+        if len(logits) != n:
+            raise BatchError(f"{len(logits)} logits flags for {n} tokens")
+    return BatchFields(tokens, embd, pos, seq_ids, logits)
+
+
+def check_batch(batch) -> BatchFields:
+    """A Batch's fields as they are now (decode and encode check again: fields may have changed)."""
+    if not isinstance(batch, Batch):
+        raise BatchError(f"decode needs a llamir.Batch, got {type(batch).__name__}")
+    return check_fields(batch.tokens, batch.embd, batch.pos, batch.seq_ids, batch.logits)
+
+
 @dataclass
 class Batch:
     """llama_batch: tokens (or embeddings), positions, sequence ids and output flags per token.
 
     `pos` None: positions continue what the memory holds for each token's first sequence.
     `seq_ids` None: every token is in sequence 0. `logits` None: only the last token outputs.
+    Integers may be Python or numpy ones, within int32; flags are bools or 0/1. A bad field raises
+    BatchError here, and decode checks the fields again (returning -1) in case they changed.
     """
 
     tokens: np.ndarray | None = None
@@ -37,45 +184,26 @@ class Batch:
     logits: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens is not None:
-            self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
-        if self.embd is not None:
-            self.embd = np.ascontiguousarray(self.embd, dtype=np.float32)
-            if self.embd.ndim != 2:
-                raise BatchError(f"embd must be [n_tokens, n_embd], got shape {self.embd.shape}")
-        if (self.tokens is None) == (self.embd is None):
-            raise BatchError("a batch needs exactly one of tokens and embd")
-        n = self.n_tokens
-        if self.pos is not None:
-            self.pos = np.asarray(self.pos, dtype=np.int64).reshape(-1)
-            if len(self.pos) != n:
-                raise BatchError(f"{len(self.pos)} positions for {n} tokens")
-        if self.seq_ids is not None:
-            # tuple and list first: they are tested before the (slow) Sequence ABC
-            self.seq_ids = [tuple(map(int, ids)) if isinstance(ids, (tuple, list, Sequence)) else (int(ids),)
-                            for ids in self.seq_ids]
-            if len(self.seq_ids) != n:
-                raise BatchError(f"{len(self.seq_ids)} seq_id lists for {n} tokens")
-            for i, ids in enumerate(self.seq_ids):
-                if not ids:
-                    raise BatchError(f"token {i} belongs to no sequence")
-        if self.logits is not None:
-            self.logits = np.asarray(self.logits, dtype=bool).reshape(-1)
-            if len(self.logits) != n:
-                raise BatchError(f"{len(self.logits)} logits flags for {n} tokens")
+        f = check_fields(self.tokens, self.embd, self.pos, self.seq_ids, self.logits)
+        self.tokens, self.embd, self.pos, self.seq_ids, self.logits = f.tokens, f.embd, f.pos, f.seq_ids, f.logits
 
     @property
     def n_tokens(self) -> int:
-        return len(self.tokens) if self.tokens is not None else len(self.embd)
+        data = self.tokens if self.tokens is not None else self.embd
+        try:
+            return len(data)
+        except TypeError:
+            raise BatchError(f"the batch's tokens/embd ({type(data).__name__}) have no length") from None
 
     @classmethod
     def from_tokens(cls, tokens: Sequence[int], pos0: int | None = 0, seq_id: int | Sequence[int] = 0,
                     logits: str | Sequence[bool] = "last") -> Batch:
         """One sequence (or a token set shared by several) at consecutive positions from pos0
         (pos0=None: continue the memory). logits: "last", "all", "none" or one flag per token."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        tokens = int_array("tokens", tokens)
         n = len(tokens)
-        ids = (seq_id,) if isinstance(seq_id, int) else tuple(seq_id)
+        ids = (_int32_at("seq_id", 0, seq_id),) if is_integer(seq_id) else \
+            tuple(_int32_at("seq_id", j, s) for j, s in enumerate(_items("seq_id", seq_id)))
         if isinstance(logits, str):
             if logits not in ("last", "all", "none"):
                 raise BatchError(f"logits must be 'last', 'all', 'none' or a list of flags, got {logits!r}")
@@ -85,8 +213,14 @@ class Batch:
             elif logits == "last" and n:
                 flags[-1] = True
         else:
-            flags = np.asarray(logits, dtype=bool)
-        pos = None if pos0 is None else np.arange(pos0, pos0 + n, dtype=np.int64)
+            flags = flag_array("logits", logits)
+        pos = None
+        if pos0 is not None:
+            if not is_integer(pos0):
+                raise BatchError(f"pos0 = {_short(pos0)} is not an integer")
+            if not I32_MIN <= int(pos0) <= I32_MAX - max(n - 1, 0):
+                raise BatchError(f"pos0 = {int(pos0)} puts positions out of the int32 range for {n} tokens")
+            pos = np.arange(int(pos0), int(pos0) + n, dtype=np.int64)
         return cls(tokens=tokens, pos=pos, seq_ids=[ids] * n, logits=flags)
 
 
@@ -148,37 +282,37 @@ class BatchAllocator:
         return len(self.pos)
 
     def init(self, batch: Batch, n_vocab: int, memory, n_embd: int, n_seq_max: int, output_all: bool) -> None:
-        """llama_batch_allocr::init: raise BatchError with llama.cpp's reason on a bad batch."""
+        """llama_batch_allocr::init: raise BatchError with llama.cpp's reason on a bad batch. The
+        batch's fields are checked again first (they may have been replaced since it was made)."""
         self.clear()
         if n_seq_max > LLAMA_MAX_SEQ:
             raise BatchError(f"n_seq_max = {n_seq_max} > {LLAMA_MAX_SEQ}")
-        n = batch.n_tokens
+        fields = check_batch(batch)
+        n = fields.n_tokens
         if n == 0:
             raise BatchError("n_tokens == 0")
-        if batch.tokens is not None:
-            tokens = batch.tokens.tolist()
-            if min(tokens) < 0 or max(tokens) >= n_vocab:
-                bad = next(i for i, t in enumerate(tokens) if not 0 <= t < n_vocab)
+        if fields.tokens is not None:
+            tokens = fields.tokens
+            if tokens.min() < 0 or tokens.max() >= n_vocab:
+                bad = int(np.flatnonzero((tokens < 0) | (tokens >= n_vocab))[0])
                 raise BatchError(f"invalid token[{bad}] = {tokens[bad]} (n_vocab = {n_vocab})")
-            self.tokens = np.array(tokens, dtype=np.int32)
+            self.tokens = tokens.astype(np.int32)
         else:
-            if batch.embd.shape[1] != n_embd:
-                raise BatchError(f"embd rows have {batch.embd.shape[1]} values, the model needs {n_embd}")
-            self.embd = batch.embd
-        seq_ids = batch.seq_ids or [(0,)] * n
+            if fields.embd.shape[1] != n_embd:
+                raise BatchError(f"embd rows have {fields.embd.shape[1]} values, the model needs {n_embd}")
+            self.embd = fields.embd
+        seq_ids = fields.seq_ids if fields.seq_ids is not None else [(0,)] * n
         for i, ids in enumerate(seq_ids):
             for s, sid in enumerate(ids):
                 if sid < 0 or sid >= n_seq_max:
                     raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
         self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
-        pos = self._positions(batch, memory)
+        pos = self._positions(fields.pos, memory)
         if min(pos) < 0 or max(pos) > _POS_MAX:
             bad = next(i for i, p in enumerate(pos) if not 0 <= p <= _POS_MAX)
             raise BatchError(f"invalid pos[{bad}] = {pos[bad]} (positions are 0..{_POS_MAX})")
         self.pos = np.array(pos, dtype=np.int32)
-        output = [False] * (n - 1) + [True] if batch.logits is None else batch.logits.tolist()
-        if len(output) != n:
-            raise BatchError(f"{len(output)} logits flags for {n} tokens")
+        output = [False] * (n - 1) + [True] if fields.logits is None else fields.logits.tolist()
         if output_all and not all(output):
             log.warning("embeddings required but some input tokens were not marked as outputs -> overriding")
             output = [True] * n
@@ -188,9 +322,9 @@ class BatchAllocator:
         self._check_consistency(memory, pos)
         self.split_reset()
 
-    def _positions(self, batch: Batch, memory) -> list[int]:
-        if batch.pos is not None:
-            return batch.pos.tolist()
+    def _positions(self, given: np.ndarray | None, memory) -> list[int]:
+        if given is not None:
+            return given.tolist()
         nxt: dict[int, int] = {}  # only the sequences the batch names (llama.cpp fills all n_seq_max)
         pos = []
         for ids in self.seq_ids:

@@ -182,11 +182,21 @@ class Context:
 
     # -- decode -----------------------------------------------------------------------------------
     def decode(self, batch: Batch) -> int:
-        """llama_decode: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, -2 memory, -3 compute."""
+        """llama_decode: 0 ok, 1 no KV slot, 2 aborted, -1 invalid batch, -2 memory, -3 compute.
+
+        The batch is checked (again: its fields may have changed since it was made) before any
+        cell is taken. A failure (-2, -3) puts the memory and the outputs back as they were before
+        the call; an abort (2) keeps the ubatches already computed, as llama.cpp does. Nothing but
+        a status comes back: the reason is in `last_error`."""
         self.last_error = ""
+        try:
+            return self._decode(batch)
+        except Exception as err:  # noqa: BLE001 - a bug; _decode has rolled back whatever it took
+            log.exception("decode: internal error")
+            return self._fail(DECODE_COMPUTE, f"internal error: {type(err).__name__}: {err}")
+
+    def _decode(self, batch: Batch) -> int:
         hp, cp = self.model.hparams, self.cparams
-        if batch.n_tokens == 0:
-            return self._fail(DECODE_INVALID, "n_tokens == 0")
         n_seq_max = LLAMA_MAX_SEQ if cp.kv_unified else cp.n_seq_max
         try:
             self.balloc.init(batch, hp.n_vocab, self.memory, hp.n_embd, n_seq_max, cp.embeddings)
@@ -198,11 +208,10 @@ class Context:
         if not cp.causal_attn and cp.n_ubatch < n_tokens_all:
             return self._fail(DECODE_INVALID, "non-causal attention requires n_ubatch >= n_tokens")
         self.perf_counters.start(n_tokens_all)
-        self.outputs.begin_batch()
         try:
             self.memory_update()
-        except RuntimeError as err:
-            return self._fail(DECODE_ALLOC, f"memory update failed: {err}")
+        except Exception as err:  # noqa: BLE001 - a K-shift that cannot compile or run changed nothing
+            return self._fail(DECODE_ALLOC, f"memory update failed: {type(err).__name__}: {err}")
         n_outputs_all = self.balloc.n_outputs
         mctx = self.memory.init_batch(self.balloc, cp.n_ubatch, cp.embeddings)
         if mctx.status == MemoryStatus.FAILED_PREPARE and self.memory_update():
@@ -213,21 +222,34 @@ class Context:
             return DECODE_NO_SLOT
         if mctx.status != MemoryStatus.SUCCESS:
             return self._fail(DECODE_ALLOC, f"unexpected memory context status {mctx.status.name}")
-        self.outputs.reserve(n_outputs_all)
+        self.outputs.begin(n_outputs_all)
+        try:
+            status, message = self._run_ubatches(mctx, n_tokens_all, n_outputs_all)
+        except BaseException:
+            mctx.rollback()
+            self.outputs.abandon()
+            raise
+        if status != DECODE_OK:
+            # an abort keeps the ubatches before the one it stopped (llama.cpp's documented rule)
+            mctx.rollback(mctx.i_cur if status == DECODE_ABORTED else 0)
+            self.outputs.abandon()
+            return self._fail(status, message)
+        self.outputs.commit(self.balloc.out_ids, n_outputs_all)
+        self.perf_counters.stop()
+        return DECODE_OK
+
+    def _run_ubatches(self, mctx, n_tokens_all: int, n_outputs_all: int) -> tuple[int, str]:
+        """Each ubatch in turn; the first failure stops (the caller rolls back)."""
         n_outputs_prev = 0
         while True:
             ubatch = mctx.get_ubatch()
             n_outputs = ubatch.n_tokens if n_outputs_all == n_tokens_all else ubatch.n_outputs
             status, message = self._process_ubatch(ubatch, mctx, n_outputs, n_outputs_prev)
             if status != DECODE_OK:
-                self._rollback(ubatch)
-                return self._fail(status, message)
+                return status, message
             n_outputs_prev += n_outputs
             if not mctx.next():
-                break
-        self.outputs.finish(self.balloc.out_ids, n_outputs_all)
-        self.perf_counters.stop()
-        return DECODE_OK
+                return DECODE_OK, ""
 
     def _process_ubatch(self, ubatch: UBatch, mctx, n_outputs: int, n_outputs_prev: int,
                         encoder: bool = False) -> tuple[int, str]:
@@ -238,23 +260,24 @@ class Context:
         gtype = "encoder" if encoder else "decoder"
         params = GraphParams.of(ubatch, n_outputs, self.cparams.embeddings, self.cparams.causal_attn and not encoder,
                                 gtype)
-        if self.cparams.graph_reuse and self._prev is not None and self._prev.can_reuse(params, mctx):
-            self.perf_counters.n_reused += 1
-            result = self._prev
-        else:
-            try:
+        try:
+            if self.cparams.graph_reuse and self._prev is not None and self._prev.can_reuse(params, mctx):
+                self.perf_counters.n_reused += 1
+                result = self._prev
+            else:
+                self._prev = None      # a graph that failed to build is never reused
                 cg = self.compiled_graph(self.graph_config(ubatch.tokens is not None, encoder))
                 result = GraphResult(cg, None, params, build_inputs(self, cg.graph, ubatch, mctx, params, encoder))
-            except (IRError, BackendError, PlacementError, SchedError) as err:
-                return DECODE_COMPUTE, f"failed to build the graph: {err}"
-            self._prev = result
-        cg = result.graph
-        if not result.values:  # weights and the memory's buffers are the same arrays every call
-            result.values.update(cg.weights)
-            if mctx is not None:
-                result.values.update(self.memory.buffers)
-        values = result.set_inputs(ubatch, result.values)
-        bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)
+                self._prev = result
+            cg = result.graph
+            if not result.values:  # weights and the memory's buffers are the same arrays every call
+                result.values.update(cg.weights)
+                if mctx is not None:
+                    result.values.update(self.memory.buffers)
+            values = result.set_inputs(ubatch, result.values)
+            bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)
+        except (IRError, BackendError, PlacementError, SchedError, ValueError) as err:
+            return DECODE_COMPUTE, f"failed to build the graph: {type(err).__name__}: {err}"
         try:
             out = self.runner.run(cg, values, bindings, ubatch.n_tokens, self._observer())
         except AbortedError:
@@ -299,15 +322,6 @@ class Context:
 
         return observe
 
-    def _rollback(self, ubatch: UBatch) -> None:
-        """Remove this ubatch's positions from the memory; earlier ubatches stay (as llama.cpp)."""
-        pos_min: dict[int, int] = {}
-        for i, ids in enumerate(ubatch.seq_ids):
-            s = ids[0]
-            pos_min[s] = min(pos_min.get(s, int(ubatch.pos[i])), int(ubatch.pos[i]))
-        for s, p in pos_min.items():
-            self.memory.seq_rm(s, p, -1)
-
     def _fail(self, code: int, message: str) -> int:
         self.last_error = message
         log.error("decode: %s (returning %d)", message, code)
@@ -316,11 +330,17 @@ class Context:
     # -- encode -----------------------------------------------------------------------------------
     def encode(self, batch: Batch) -> int:
         """llama_encode: one non-causal ubatch, every token an output, no memory; the embeddings
-        (pooled per sequence unless pooling is none) come back through get_embeddings*."""
+        (pooled per sequence unless pooling is none) come back through get_embeddings*. On any
+        failure the previous outputs stay."""
         self.last_error = ""
+        try:
+            return self._encode(batch)
+        except Exception as err:  # noqa: BLE001 - a bug; the outputs were put back
+            log.exception("encode: internal error")
+            return self._fail(DECODE_COMPUTE, f"internal error: {type(err).__name__}: {err}")
+
+    def _encode(self, batch: Batch) -> int:
         hp = self.model.hparams
-        if batch.n_tokens == 0:
-            return self._fail(DECODE_INVALID, "n_tokens == 0")
         try:
             self.balloc.init(batch, hp.n_vocab, None, hp.n_embd, self.cparams.n_seq_max, True)
         except BatchError as err:
@@ -328,13 +348,17 @@ class Context:
         if self.cparams.n_ubatch < self.balloc.n_tokens:
             return self._fail(DECODE_INVALID, f"encode needs n_ubatch >= n_tokens ({self.balloc.n_tokens})")
         self.perf_counters.start(self.balloc.n_tokens)
-        self.outputs.begin_batch()
         ubatch = self.balloc.split_simple(self.balloc.n_tokens)
-        self.outputs.reserve(ubatch.n_tokens)
-        status, message = self._process_ubatch(ubatch, None, ubatch.n_tokens, 0, encoder=True)
+        self.outputs.begin(ubatch.n_tokens)
+        try:
+            status, message = self._process_ubatch(ubatch, None, ubatch.n_tokens, 0, encoder=True)
+        except BaseException:
+            self.outputs.abandon()
+            raise
         if status != DECODE_OK:
+            self.outputs.abandon()
             return self._fail(status, message)
-        self.outputs.finish(self.balloc.out_ids, ubatch.n_tokens)
+        self.outputs.commit(self.balloc.out_ids, ubatch.n_tokens)
         self.perf_counters.stop()
         return DECODE_OK
 

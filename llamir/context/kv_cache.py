@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from llamir.context.batch import LLAMA_MAX_SEQ, BatchAllocator, UBatch
-from llamir.context.kv_cells import KVCells
+from llamir.context.kv_cells import CellsSnapshot, KVCells
 from llamir.frontend.graph_kv import KVLayout, cache_k_name, cache_v_name
 from llamir.frontend.hparams import HParams
 from llamir.ir import F16, DType
@@ -121,6 +121,29 @@ class SlotInfo:
         return len(self.strm)
 
 
+@dataclass
+class StreamUndo:
+    """One stream's cells as they were before a ubatch was applied: the slot's cells, or the
+    whole stream plus the K/V rows of the slot's cells when occupied (SWA) cells are reused."""
+
+    stream: int
+    idxs: np.ndarray
+    pos: np.ndarray
+    seq: np.ndarray
+    shift: np.ndarray
+    has_shift: bool
+    whole: CellsSnapshot | None = None
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class CellsUndo:
+    """What apply_ubatch changed, to put back when the batch fails (KVCache.undo)."""
+
+    heads: list[int]
+    streams: list[StreamUndo]
+
+
 def attn_rot_sizes(hp: HParams, layers: tuple[int, ...], type_k: DType, type_v: DType,
                    allowed: bool = True) -> tuple[int, int]:
     """llama_kv_cache's attn_rot_k / attn_rot_v and the Hadamard sizes of build_input_k_rot /
@@ -167,6 +190,7 @@ class KVCache:
             for name, shape, dtype in ((cache_k_name(il), self.layout.k_shape(hp, il), type_k),
                                        (cache_v_name(il), self.layout.v_shape(hp, il), type_v)):
                 self.buffers[name] = np.zeros(storage_shape(shape, dtype), dtype=storage_dtype(dtype))
+        self._v_names = {cache_v_name(il) for il in self.layout.layers}
         self.pending_copies: list[tuple[int, int]] = []
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -265,6 +289,44 @@ class KVCache:
                 self.seq_rm(sid, cells.seq_pos_min(sid), p_max + 1)
         for s, stream in enumerate(sinfo.strm):
             self.v_heads[stream] = int(sinfo.idxs[s][-1]) + 1
+
+    def save_cells(self, sinfo: SlotInfo) -> CellsUndo:
+        """What apply_ubatch(sinfo, ...) is about to change. Free cells only need their metadata
+        back (what a failed compute wrote into them is never read: masked, and not in a state);
+        reused cells (a sliding window's) also need their K/V rows."""
+        streams = []
+        for s, stream in enumerate(sinfo.strm):
+            cells, idxs = self.v_cells[stream], sinfo.idxs[s]
+            undo = StreamUndo(stream, idxs, cells.pos[idxs].copy(), cells.seq[idxs].copy(),
+                              cells.shift[idxs].copy(), cells.has_shift)
+            if (undo.pos >= 0).any():
+                undo.whole = cells.snapshot()
+                undo.rows = {name: np.take(buf[stream], idxs, axis=self._cell_axis(name)).copy()
+                             for name, buf in self.buffers.items()}
+            streams.append(undo)
+        return CellsUndo(list(self.v_heads), streams)
+
+    def _cell_axis(self, name: str) -> int:
+        """The axis of a stream's K or V buffer that runs over cells (V is [d, cell] transposed)."""
+        return 1 if self.layout.v_trans and name in self._v_names else 0
+
+    def undo(self, record: CellsUndo) -> None:
+        """Put back what one apply_ubatch changed (records are undone newest first)."""
+        for undo in reversed(record.streams):
+            cells = self.v_cells[undo.stream]
+            if undo.whole is not None:
+                cells.restore(undo.whole)
+                for name, rows in undo.rows.items():
+                    index = [slice(None)] * rows.ndim
+                    index[self._cell_axis(name)] = undo.idxs
+                    self.buffers[name][undo.stream][tuple(index)] = rows
+                continue
+            cells.pos[undo.idxs] = undo.pos
+            cells.seq[undo.idxs] = undo.seq
+            cells.shift[undo.idxs] = undo.shift
+            cells.has_shift = undo.has_shift
+            cells.recount()
+        self.v_heads = list(record.heads)
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo] | None:
         """Find a slot for every ubatch as if the earlier ones were applied; change nothing."""
@@ -480,17 +542,26 @@ class KVCacheContext:
     slots: list[SlotInfo] = field(default_factory=list)
     i_cur: int = 0
     n_kv: int = 0
+    applied: list[CellsUndo] = field(default_factory=list)
 
     def next(self) -> bool:
         self.i_cur += 1
         return self.i_cur < len(self.ubatches)
 
     def apply(self) -> bool:
-        """The only call that changes the memory: occupy the current ubatch's cells."""
+        """The only call that changes the memory: occupy the current ubatch's cells (what it
+        changes is recorded, for rollback)."""
         sinfo = self.slots[self.i_cur]
+        self.applied.append(self.cache.save_cells(sinfo))
         self.cache.apply_ubatch(sinfo, self.ubatches[self.i_cur])
         self.n_kv = self.cache.get_n_kv(sinfo)
         return True
+
+    def rollback(self, keep: int = 0) -> None:
+        """Undo every applied ubatch after the first `keep`, newest first: the cells, the heads
+        and the K/V rows of reused cells are as they were before."""
+        while len(self.applied) > keep:
+            self.cache.undo(self.applied.pop())
 
     def get_ubatch(self) -> UBatch:
         return self.ubatches[self.i_cur]

@@ -140,6 +140,14 @@ class ISWAContext:
     def apply(self) -> bool:
         return self.base.apply() and self.swa.apply()
 
+    def rollback(self, keep: int = 0) -> None:
+        self.swa.rollback(keep)
+        self.base.rollback(keep)
+
+    @property
+    def i_cur(self) -> int:
+        return self.base.i_cur
+
     def get_ubatch(self) -> UBatch:
         return self.base.get_ubatch()
 

@@ -43,7 +43,8 @@ class KVCells:
             self._used_max_p1 = int(used[-1]) + 1 if len(used) else 0
         return self._used_max_p1
 
-    def _recount(self) -> None:
+    def recount(self) -> None:
+        """Recompute the used count (and, lazily, used_max_p1) after cells were set directly."""
         self._n_used = int(np.count_nonzero(self.pos >= 0))
         self._used_max_p1 = None
 
@@ -143,4 +144,4 @@ class KVCells:
         self.seq[:] = snap.seq
         self.shift[:] = snap.shift
         self.has_shift = snap.has_shift
-        self._recount()
+        self.recount()

@@ -3,7 +3,23 @@ embeddings per sequence, and llama.cpp's lazy reordering (output_swaps / output_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass
+class _Previous:
+    """The outputs of the last successful batch, while a new one is being written."""
+
+    logits: np.ndarray
+    embd: np.ndarray
+    logits_rows: np.ndarray       # the rows the new batch overwrites, as they were
+    embd_rows: np.ndarray
+    output_ids: np.ndarray
+    n_outputs: int
+    swaps: list[tuple[int, int]]
+    embd_seq: dict[int, np.ndarray]
 
 
 class Outputs:
@@ -19,6 +35,7 @@ class Outputs:
         self.n_outputs = 0
         self.swaps: list[tuple[int, int]] = []
         self.embd_seq: dict[int, np.ndarray] = {}
+        self._previous: _Previous | None = None
 
     @property
     def capacity(self) -> int:
@@ -35,9 +52,30 @@ class Outputs:
         self.n_outputs = 0
         return n_max
 
-    def begin_batch(self) -> None:
-        self.swaps.clear()
-        self.embd_seq.clear()
+    def begin(self, n_outputs: int) -> None:
+        """Start a batch of n_outputs rows (output_reserve). What the batch overwrites is kept
+        (only the rows it writes over, not the whole buffer) until commit() or abandon()."""
+        kept = min(self.n_outputs, n_outputs)
+        self._previous = _Previous(self.logits, self.embd, self.logits[:kept].copy(), self.embd[:kept].copy(),
+                                   self.output_ids.copy(), self.n_outputs, self.swaps, self.embd_seq)
+        self.swaps, self.embd_seq = [], {}
+        self.reserve(n_outputs)
+
+    def commit(self, out_ids: list[int], n_outputs: int) -> None:
+        """The batch succeeded: its rows become the outputs (see finish)."""
+        self.finish(out_ids, n_outputs)
+        self._previous = None
+
+    def abandon(self) -> None:
+        """The batch failed: the previous batch's outputs are back, exactly as they were."""
+        prev, self._previous = self._previous, None
+        if prev is None:
+            return
+        self.logits, self.embd = prev.logits, prev.embd
+        self.logits[:len(prev.logits_rows)] = prev.logits_rows
+        self.embd[:len(prev.embd_rows)] = prev.embd_rows
+        self.output_ids, self.n_outputs = prev.output_ids, prev.n_outputs
+        self.swaps, self.embd_seq = prev.swaps, prev.embd_seq
 
     def write(self, row0: int, logits: np.ndarray | None, embd: np.ndarray | None) -> None:
         n = 0 if logits is None and embd is None else len(logits if logits is not None else embd)

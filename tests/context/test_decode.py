@@ -84,7 +84,7 @@ def _assert_untouched(ctx, model, n_done):
     (lambda: llamir.Batch(tokens=[1, 2], pos=[4, 6]), r"sequence 0 positions are not continuous"),
     (lambda: llamir.Batch(tokens=[1], pos=[4], seq_ids=[(1,)]), r"invalid seq_id\[0\]\[0\] = 1 >= 1"),
     (lambda: llamir.Batch(tokens=[1, 2], pos=[-3, -2]), r"invalid pos\[0\] = -3"),
-    (lambda: llamir.Batch(tokens=[1, 2], pos=[4, 2**31]), r"invalid pos\[1\] = 2147483648"),
+    (lambda: llamir.Batch(tokens=[1, 2], pos=[4, 2**31 - 1]), r"invalid pos\[1\] = 2147483647 \(positions are 0"),
 ])
 def test_invalid_batch_returns_minus_one_and_keeps_the_cache(model, make_batch, message):
     ctx = _ctx(model)
