@@ -414,7 +414,7 @@ class Context:
     def state_set_data(self, data: bytes) -> int:
         """llama_state_set_data: restore (the outputs are dropped); a bad blob raises StateError and
         changes nothing."""
-        return state.read_state(self, bytes(data))
+        return state.read_state(self, data)
 
     def state_seq_get_size(self, seq_id: int, flags: int = 0) -> int:
         return len(self.state_seq_get_data(seq_id, flags))
@@ -423,7 +423,9 @@ class Context:
         return state.write_seq_state(self, seq_id, flags)
 
     def state_seq_set_data(self, data: bytes, dest_seq_id: int, flags: int = 0) -> int:
-        return state.read_seq_state(self, bytes(data), dest_seq_id, flags)
+        """llama_state_seq_set_data into dest_seq_id, in [0, n_seq_max); a bad blob or id raises
+        StateError and changes nothing."""
+        return state.read_seq_state(self, data, dest_seq_id, flags)
 
     def state_save_file(self, path, tokens) -> int:
         """Session file: magic 'ggsn', version 10, the token list, then the state."""

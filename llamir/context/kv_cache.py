@@ -81,24 +81,20 @@ def _init_update(memory, ctx) -> UpdateContext:
 
 
 def _state_write(memory, writer, seq_id: int = -1, flags: int = 0) -> None:
-    from llamir.context import state
+    """llama_memory_i::state_write: every cell (seq_id -1) or one sequence's (llamir.context.state_kv)."""
+    from llamir.context import state_kv
 
-    for cache in state.caches_of(memory, flags):
-        state.write_cache(writer, cache, seq_id)
+    state_kv.check_memory_seq_id(memory, seq_id)
+    state_kv.write_memory(writer, memory, seq_id, flags)
 
 
 def _state_read(memory, reader, seq_id: int = -1, flags: int = 0) -> None:
-    """Parse every cache's part first, then apply: a bad blob raises StateError, nothing changed."""
-    from llamir.context import state
+    """Parse and check every cache's part first, then apply: a bad blob raises StateError, nothing changed."""
+    from llamir.context import state_kv
 
-    staged = [(cache, state.read_cache(reader, cache, seq_id)) for cache in state.caches_of(memory, flags)]
-    if seq_id != -1:
-        for cache, streams in staged:
-            state.check_seq_fits(cache, streams, seq_id)
-    for cache, streams in staged:
-        if seq_id != -1 and all(st is None for st in streams):
-            cache.seq_rm(seq_id, -1, -1)
-        state.apply_cache(cache, streams, seq_id)
+    state_kv.check_memory_seq_id(memory, seq_id)
+    source = None if seq_id == -1 else state_kv.SeqSource()
+    state_kv.apply_memory(state_kv.read_memory(reader, memory, source, flags), seq_id)
 
 
 @dataclass

@@ -104,11 +104,13 @@ class KVCells:
         return False
 
     def seq_add(self, i: int, s: int) -> None:
-        assert self.pos[i] >= 0, "seq_add on an empty cell"
+        if self.pos[i] < 0:
+            raise ValueError(f"seq_add({i}, {s}) on an empty cell")
         self.seq[i, s] = True
 
     def pos_set(self, i: int, p: int) -> None:
-        assert self.pos[i] == -1 and p >= 0, "pos_set on a used cell or to a negative position"
+        if self.pos[i] != -1 or p < 0:
+            raise ValueError(f"pos_set({i}, {p}): the cell holds position {self.pos[i]}, or {p} is negative")
         self.pos[i] = p
         self._n_used += 1
         if self._used_max_p1 is not None and i >= self._used_max_p1:
