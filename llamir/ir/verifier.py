@@ -14,12 +14,15 @@ class VerifyError(IRError):
 def verify(graph: Graph) -> None:
     """Raise VerifyError unless: leaves are leaf ops and nodes are not; nodes are in topological
     order; every type equals what its op infers; users lists match the edges; dims are
-    declared; outputs belong to the graph; concrete views stay inside their source."""
+    declared (in types and in attributes); leaves are named, uniquely; outputs belong to the graph;
+    concrete views stay inside their source."""
     members = {id(x) for x in graph.all_values()}
     leaf_names: set[str] = set()
     for leaf in graph.leafs:
         if not leaf.is_leaf:
             raise VerifyError(f"{leaf!r} is in the leaf list but is an op node")
+        if not isinstance(leaf.name, str):
+            raise VerifyError(f"leaf {leaf!r} has no name; leaves are bound by name")
         if leaf.name in leaf_names:
             raise VerifyError(f"two leaves are named {leaf.name!r}; leaves are bound by name")
         leaf_names.add(leaf.name)
@@ -42,7 +45,8 @@ def verify(graph: Graph) -> None:
             raise VerifyError(f"node {i} ({node!r}): {err}") from None
         if inferred != node.type:
             raise VerifyError(f"node {i} ({node!r}) is typed {node.type} but its op infers {inferred}")
-        _check_view_bounds(node)
+        check_attr_dims(graph, node)
+        check_view_bounds(node)
     for x in graph.all_values():
         if len(x.users) != expected_users.get(id(x), 0):
             raise VerifyError(f"{x!r} lists {len(x.users)} users but {expected_users.get(id(x), 0)} "
@@ -56,7 +60,18 @@ def verify(graph: Graph) -> None:
             raise VerifyError(f"output {name!r} is not a value of the graph")
 
 
-def _check_view_bounds(node) -> None:
+def check_attr_dims(graph: Graph, node) -> None:
+    """Every symbolic dim in the node's attributes (view strides and offset, target shapes) is
+    one the graph declares."""
+    for field, value in node.op.attrs().items():
+        for d in value if isinstance(value, tuple) else (value,):
+            if isinstance(d, dims.Sym):
+                for name in dims.names(d):
+                    if name not in graph.dim_names:
+                        raise VerifyError(f"{node!r}: attribute {field}={d} uses undeclared dim {name!r}")
+
+
+def check_view_bounds(node) -> None:
     """For concrete views, the last byte read must lie within the viewed tensor."""
     from llamir.ir import ops
 

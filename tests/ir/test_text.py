@@ -306,22 +306,28 @@ def _broken(line_no: int, new_line: str) -> str:
 
 
 @pytest.mark.parametrize("line_no,new_line,message", [
-    (1, "graf t(T) {", r"line 1: expected 'graph NAME\(dims\) \{'"),
-    (2, '  %0 = input : f32[S,4] "x"', r"line 2: .*dim 'S'"),
-    (2, '  %0 = inptu : f32[T,4] "x"', r"line 2: unknown op 'inptu'"),
-    (2, '  %0 = input : f33[T,4] "x"', r"line 2: unknown dtype 'f33'"),
-    (2, '  %0 = input f32[T,4] "x"', r"line 2: missing ': type'"),
-    (3, "  %1 = silu(%0) : f32[T,5]", r"line 3: silu infers f32\[T,4\] but the text says f32\[T,5\]"),
-    (3, "  %1 = silu(%3) : f32[T,4]", r"line 3: %3 is used before it is defined"),
-    (3, "  %2 = silu(%0) : f32[T,4]", r"line 3: value %2 out of order \(expected %1\)"),
-    (3, "  %1 = silu(%0) {eps=1.0} : f32[T,4]", r"line 3: silu has no attribute 'eps'"),
-    (3, "  %1 = scale(%0) {s=abc} : f32[T,4]", r"line 3: could not convert string to float"),
-    (3, "  %1 = add(%0) : f32[T,4]", r"line 3: add takes 2 inputs, got 1"),
-    (3, "  %1 = silu(0) : f32[T,4]", r"line 3: expected a value reference like %3, got '0'"),
-    (3, "  %1 = argsort(%0) {descending=yes} : i32[T,4]", r"line 3: expected true/false, got 'yes'"),
-    (4, "  return y = %7", r"line 4: %7 is used before it is defined"),
+    (1, "graf t(T) {", r"^line 1, column 1: expected 'graph NAME\(dims\) \{', got 'graf t\(T\) \{'$"),
+    (2, '  %0 = input : f32[S,4] "x"', r"^line 2, column 20: dim 'S' is not declared by graph t \(declared: T\)$"),
+    (2, '  %0 = inptu : f32[T,4] "x"', r"^line 2, column 8: unknown op 'inptu'$"),
+    (2, '  %0 = input : f33[T,4] "x"', r"^line 2, column 16: unknown dtype 'f33'; known: f32, f16"),
+    (2, '  %0 = input f32[T,4] "x"', r"^line 2, column 14: missing ': type' after input, got 'f32'$"),
+    (3, "  %1 = silu(%0) : f32[T,5]", r"^line 3: silu infers f32\[T,4\] but the text says f32\[T,5\]$"),
+    (3, "  %1 = silu(%3) : f32[T,4]", r"^line 3, column 13: %3 is used before it is defined$"),
+    (3, "  %2 = silu(%0) : f32[T,4]", r"^line 3, column 3: value %2 out of order \(expected %1\)$"),
+    (3, "  %1 = silu(%0) {eps=1.0} : f32[T,4]", r"^line 3, column 18: silu has no attribute 'eps' \(it has none\)$"),
+    (3, "  %1 = scale(%0) {sc=1.0} : f32[T,4]", r"scale has no attribute 'sc' \(it has: s, b\)$"),
+    (3, "  %1 = scale(%0) {s=abc} : f32[T,4]", r"^line 3, column 21: scale.s: expected a number .*, got 'abc'$"),
+    (3, "  %1 = add(%0) : f32[T,4]", r"^line 3: add takes 2 inputs, got 1$"),
+    (3, "  %1 = silu(0) : f32[T,4]", r"^line 3, column 13: expected a value reference like %3, got '0'$"),
+    (3, "  %1 = argsort(%0) {descending=yes} : i32[T,4]",
+     r"^line 3, column 32: argsort.descending: expected true or false, got 'yes'$"),
+    (4, "  return y = %7", r"^line 4, column 14: %7 is used before it is defined$"),
+    (4, "  return y = %1,", r"^line 4, column 17: expected an output name, got end of line$"),
+    (4, "  return", r"^line 4, column 9: expected an output name after 'return', got end of line$"),
+    (2, '  %0 = input : f32[T,4] "x" # the tokens', r"^line 2, column 29: unexpected '#' after the name "
+                                                 r"\(a comment takes a whole line\)$"),
 ])
-def test_parse_errors_name_the_line(line_no, new_line, message):
+def test_parse_errors_name_the_line_column_and_token(line_no, new_line, message):
     parse_graph(GOOD)                                  # the unbroken text is fine
     with pytest.raises(ParseError, match=message):
         parse_graph(_broken(line_no, new_line))
@@ -334,11 +340,156 @@ def test_parse_error_line_numbers_count_comments_and_blank_lines():
 
 
 def test_parse_structure_errors():
-    with pytest.raises(ParseError, match="empty IR text"):
+    with pytest.raises(ParseError, match="^empty IR text$"):
         parse_graph("\n  # only a comment\n")
-    with pytest.raises(ParseError, match="missing closing"):
+    with pytest.raises(ParseError, match=r"^missing closing '\}': the text ends at line 4 inside graph t$"):
         parse_graph(GOOD.replace("}\n", ""))
-    text = GOOD.replace('  return y = %1\n', '  return y = %1\n  %2 = input : f32[4] "late"\n')
-    with pytest.raises(ParseError, match=r"line 5: leaves must come before nodes"):
-        parse_graph(text)
+    text = GOOD.replace('  %1 = silu', '  %1 = silu(%0) : f32[T,4]\n  %2 = input : f32[4] "late"\n  %3 = silu')
+    with pytest.raises(ParseError, match=r"^line 4: leaves must come before nodes$"):
+        parse_graph(text.replace("y = %1", "y = %3"))
+    with pytest.raises(ParseError, match=r"^line 5, column 3: only the closing '\}' may follow the return on "
+                                         r"line 4, got 'return'$"):
+        parse_graph(GOOD.replace("  return y = %1\n", "  return y = %1\n  return z = %0\n"))
     assert isinstance(ParseError("x"), IRError)
+
+
+# -- finding 8 of issue 9: what the parser used to accept or report with an internal message -----
+@pytest.mark.parametrize("text,message", [
+    (GOOD + "%2 = silu(%1) : f32[T,4]\n", r"^line 6, column 1: text after the closing '\}' of the graph: '%'$"),
+    (GOOD + GOOD, r"^line 6, column 1: text after the closing '\}' of the graph: 'graph'$"),
+    (GOOD.replace("}\n", "} x\n"), r"^line 5, column 1: text after the closing '\}' on its line: 'x'$"),
+    (GOOD.replace("}\n", "}}\n"), r"^line 5, column 1: text after the closing '\}' on its line: '\}'$"),
+])
+def test_text_after_the_closing_brace_is_refused(text, message):
+    with pytest.raises(ParseError, match=message):
+        parse_graph(text)
+
+
+def test_comments_and_blank_lines_may_follow_the_closing_brace():
+    assert parse_graph(GOOD + "\n  # the end\n\n") == parse_graph(GOOD)
+
+
+def test_duplicate_output_names_are_refused():
+    with pytest.raises(ParseError, match=r"^line 4, column 18: output 'y' is returned twice$"):
+        parse_graph(GOOD.replace("return y = %1", "return y = %1, y = %0"))
+    assert list(parse_graph(GOOD.replace("return y = %1", "return y = %1, z = %1")).outputs) == ["y", "z"]
+
+
+def test_duplicate_attribute_keys_are_refused():
+    text = GOOD.replace("silu(%0)", "scale(%0) {s=2.0, b=1.0, s=3.0}")
+    with pytest.raises(ParseError, match=r"^line 3, column 33: attribute 's' of scale is given twice$"):
+        parse_graph(text)
+
+
+def test_duplicate_and_missing_leaf_names_are_refused():
+    text = GOOD.replace('  %1 = silu(%0)', '  %1 = weight : f32[4] "x"\n  %2 = silu(%0)').replace("= %1", "= %2")
+    with pytest.raises(ParseError, match=r"^line 3: two leaves are named 'x' \(the first on line 2\); leaves "
+                                         r"are bound by name$"):
+        parse_graph(text)
+    with pytest.raises(ParseError, match=r"^line 2: the input leaf has no name: leaves are bound by name$"):
+        parse_graph(GOOD.replace(' "x"', ""))
+    named_twice = GOOD.replace("silu(%0) : f32[T,4]", 'silu(%0) : f32[T,4] "x"')   # node names may repeat
+    assert parse_graph(named_twice).nodes[0].name == "x"
+
+
+@pytest.mark.parametrize("line,message", [
+    ("  %1 = silu(%0 : f32[T,4]", r"^line 3, column 16: expected ',' or '\)' between arguments, got ':'$"),
+    ("  %1 = silu(%0,) : f32[T,4]", r"^line 3, column 16: expected a value reference like %3, got '\)'$"),
+    ("  %1 = silu(%²) : f32[T,4]", r"^line 3, column 14: expected a value number after '%', got '²'$"),
+    ("  %1 = silu(%٣) : f32[T,4]", r"^line 3, column 14: expected a value number after '%', got '٣'$"),
+    ("  %1 = scale(%0) {s=2.0} {b=1.0} : f32[T,4]", r"^line 3, column 26: missing ': type' after scale, got '\{'$"),
+    ("  %1 = scale(%0) {s=2.0,} : f32[T,4]", r"^line 3, column 25: expected an attribute name, got '\}'$"),
+    ("  %1 = scale(%0) {s=2.0 : f32[T,4]", r"^line 3, column 25: expected ',' or '\}' between attributes, got ':'$"),
+    ("  %1 = permute(%0) {axes=[1,0} : f32[4,T]", r"^line 3, column 30: expected ',' or '\]' in permute.axes, "
+                                                  r"got '\}'$"),
+    ('  %1 = silu(%0) : f32[T,4] "\\q"', r"^line 3, column 29: bad string literal: Invalid \\escape$"),
+    ('  %1 = silu(%0) : f32[T,4] "open', r"^line 3, column 28: bad string literal: Unterminated string"),
+    ("  %1 = leaf() : f32[T,4]", r"^line 3, column 8: unknown op 'leaf'$"),
+    ('  %1 = input(%0) : f32[T,4] "y"', r"^line 3, column 13: a input leaf takes no arguments$"),
+])
+def test_malformed_lines_get_messages_naming_the_token(line, message):
+    """The old parser said 'line 3: substring not found' (no ')'), 'invalid literal for int()'
+    (a unicode digit after %) or accepted the text (trailing commas, a second attribute list)."""
+    with pytest.raises(ParseError, match=message):
+        parse_graph(_broken(3, line))
+
+
+@pytest.mark.parametrize("header,message", [
+    ("graph ²(T) {", r"^line 1, column 7: expected the graph's name after 'graph', got '²'$"),
+    ("graph 9t(T) {", r"^line 1, column 7: expected the graph's name after 'graph', got '9t'$"),
+    ("graph t(T, T) {", r"^line 1, column 12: dim 'T' is declared twice$"),
+    ("graph t(T,) {", r"^line 1, column 11: expected a dim name such as T, got '\)'$"),
+    ("graph t(T-1) {", r"^line 1, column 10: expected ',' or '\)' between dim names, got '-1'$"),
+    ("graph t(T) { %0", r"^line 1, column 14: unexpected '%' after 'graph NAME\(dims\) \{'"),
+    ("graph t(T)", r"^line 1, column 11: expected '\{' after the dims list, got end of line$"),
+])
+def test_bad_headers(header, message):
+    """A graph name the Graph class refuses used to escape as a bare IRError, not a ParseError."""
+    with pytest.raises(ParseError, match=message):
+        parse_graph(_broken(1, header))
+
+
+@pytest.mark.parametrize("line,message", [
+    ('  %0 = input : f32[T,' + "9" * 5000 + '] "x"', r"^line 2, column 22: dim: 9999999999\.\.\.\(5000 digits\) "
+                                                     r"is out of range \(it must fit in int64\)$"),
+    ('  %0 = input : f32[T,9223372036854775808] "x"', r"dim: 9223372036854775808 is out of range"),
+    ('  %0 = input : f32[T,4294967296*4294967296] "x"', r"^line 2, column 22: the dim's coefficient "
+                                                        r"18446744073709551616 does not fit in int64$"),
+    ('  %0 = input : f32[T,-4] "x"', r"^line 2, column 22: expected a dim \(a count >= 0.*got '-4'$"),
+    ('  %0 = input : f32[T,4,1,1,1] "x"', r"^line 2, column 16: a type has at most 4 dims$"),
+    ('  %0 = input : f32[] "x"', r"^line 2, column 20: expected a dim .*, got '\]'$"),
+])
+def test_huge_and_negative_dims_are_refused(line, message):
+    with pytest.raises(ParseError, match=message):
+        parse_graph(_broken(2, line))
+
+
+@pytest.mark.parametrize("attrs,type_,message", [
+    ("scale(%0) {s=1e999}", "f32[T,4]", r"^line 3, column 21: scale.s: 1e999 is out of float range \(write inf\)$"),
+    ("scale(%0) {s=" + "1" * 100 + "}", "f32[T,4]", r"scale.s: a number literal of 100 characters is too long$"),
+    ("top_k(%0) {k=2147483648}", "i32[T,4]", r"^line 3, column 21: top_k.k: 2147483648 is out of range "
+                                             r"\(it must fit in int32\)$"),
+    ("top_k(%0) {k=" + "9" * 5000 + "}", "i32[T,4]", r"top_k.k: 9999999999\.\.\.\(5000 digits\) is out of range"),
+    ("permute(%0) {axes=" + "[" * 100_000 + "}", "f32[4,T]", r"^line 3, column 27: expected an integer in "
+                                                             r"permute.axes, got '\['$"),
+    ("permute(%0) {axes=[" + "1," * 100_000 + "0]}", "f32[4,T]", r"permute.axes: a list of more than 4 items"),
+    ("rms_norm(%0) {eps=nan}", "f32[T,4]", r"^line 3: rms_norm: eps must be >= 0 \(not NaN\), got nan$"),
+    ("rms_norm(%0) {eps=-1e-05}", "f32[T,4]", r"^line 3: rms_norm: eps must be >= 0 \(not NaN\), got -1e-05$"),
+    ("cpy(%0) {dtype=none}", "f32[T,4]", r"^line 3: cpy: cpy needs a target dtype$"),
+])
+def test_bad_attribute_values_are_refused(attrs, type_, message):
+    """Huge or nested inputs are refused at the first bad token: no int() of a 5000-digit literal,
+    no recursion into 100000 brackets."""
+    with pytest.raises(ParseError, match=message):
+        parse_graph(_broken(3, f"  %1 = {attrs} : {type_}"))
+
+
+def test_graphs_the_verifier_refuses_do_not_parse():
+    text = """graph t(T) {
+  %0 = input : f32[3,4] "x"
+  %1 = view(%0) {shape=[2,4], strides=[16,4], offset=32} : f32[2,4]
+  %2 = view(%0) {shape=[4], strides=[4], offset=T} : f32[4]
+}
+"""
+    with pytest.raises(ParseError, match=r"^line 3: <view f32\[2,4\]> reads bytes \[32, 64\) of a 48-byte f32\[3,4\]$"):
+        parse_graph(text)
+    text = text.replace("offset=32", "offset=16").replace("graph t(T)", "graph t()")
+    with pytest.raises(ParseError, match=r"^line 4, column 49: dim 'T' is not declared by graph t \(declared: none\)$"):
+        parse_graph(text)
+    verify(parse_graph(text.replace("offset=T", "offset=8")))
+
+
+def test_bytes_are_read_as_utf8():
+    assert parse_graph(GOOD.encode()) == parse_graph(GOOD)
+    with pytest.raises(ParseError, match=r"^line 2: IR text is not UTF-8: byte 38 is 0xff$"):
+        parse_graph(GOOD.encode().replace(b'"x"', b'"\xff"'))
+    with pytest.raises(TypeError, match="parse_graph takes IR text"):
+        parse_graph(None)
+
+
+def test_lenient_spellings_parse_to_the_canonical_graph():
+    """Extra spaces, CRLF line ends, default attributes written out and an empty attribute list read
+    as the printer's own text, which is what the graph prints back."""
+    loose = ("graph  t( T ) {\r\n  %0=input:f32[ T , 4 ]\"x\"\r\n"
+             "  %1 = scale( %0 ) { s = 1.0 , b = 0.0 } : f32[T,4]\r\n  return y=%1\r\n}\r\n")
+    assert print_graph(parse_graph(loose)) == GOOD.replace("silu(%0)", "scale(%0)")

@@ -11,6 +11,7 @@ from llamir.ir.ops.attention import SoftMaxExt
 from llamir.ir.ops.base import Op, register_op, require
 from llamir.ir.ops.elementwise import can_repeat
 from llamir.ir.ops.matmul import MulMat
+from llamir.ir.ops.norm import require_eps
 from llamir.ir.types import TensorType
 
 
@@ -26,6 +27,7 @@ class RmsNormMul(Op):
     def infer(self, x: TensorType, w: TensorType) -> TensorType:
         require(x.dtype.is_float and w.dtype.is_float, f"expects float inputs, got {x.dtype} and {w.dtype}")
         require(can_repeat(w, x), f"{w} cannot be repeated to {x}")
+        require_eps(self.eps)
         return x
 
 
@@ -46,6 +48,7 @@ class NormMulAdd(Op):
             require(t.dtype.is_float, f"expects float inputs, got {t.dtype}")
         for t in (w, *b):
             require(can_repeat(t, x), f"{t} cannot be repeated to {x}")
+        require_eps(self.eps)
         return x
 
 

@@ -14,7 +14,13 @@ class RowNorm(Op):
 
     def infer(self, x: TensorType) -> TensorType:
         require(x.dtype.is_float, f"expects a float input, got {x.dtype}")
+        require_eps(self.eps)
         return x
+
+
+def require_eps(eps: float) -> None:
+    """ggml's norm kernels GGML_ASSERT(eps >= 0.0f), which also refuses NaN."""
+    require(eps >= 0, f"eps must be >= 0 (not NaN), got {eps}")
 
 
 @register_op
@@ -59,4 +65,5 @@ class GroupNorm(RowNorm):
 
     def infer(self, x: TensorType) -> TensorType:
         require(x.rank >= 3, f"expects rank >= 3 (channels at axis -3), got {x}")
+        require(self.n_groups >= 1, f"n_groups must be >= 1, got {self.n_groups}")
         return RowNorm.infer(self, x)
