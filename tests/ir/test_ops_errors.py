@@ -80,6 +80,25 @@ def test_arity_is_checked():
         g.op(ops.SoftMaxExt(mask=True), x)
 
 
+@pytest.mark.parametrize("op", [ops.RmsNorm, ops.Norm, ops.L2Norm, ops.OPS["rms_norm_mul"], ops.OPS["norm_mul_add"]])
+@pytest.mark.parametrize("eps", [float("nan"), -1e-6])
+def test_norm_eps_must_be_non_negative(op, eps):
+    """ggml's norm kernels GGML_ASSERT(eps >= 0.0f); a NaN eps (from a corrupt GGUF) fails it too."""
+    g = GraphBuilder("t")
+    x = g.input("x", [2, 4], F32)
+    weights = [g.weight(f"w{i}", [4], F32) for i in range(op(eps=eps).n_inputs() - 1)]
+    with pytest.raises(IRError, match=rf"{op.name}: eps must be >= 0 \(not NaN\), got {eps}"):
+        g.op(op(eps=eps), x, *weights)
+    g.op(op(eps=0.0), x, *weights)
+
+
+def test_group_norm_needs_a_group():
+    g = GraphBuilder("t")
+    x = g.input("x", [2, 4, 3, 2], F32)
+    with pytest.raises(IRError, match=r"group_norm: n_groups must be >= 1, got 0"):
+        g.op(ops.GroupNorm(n_groups=0), x)
+
+
 def test_bad_leaf_kind():
     with pytest.raises(IRError, match="leaf kind must be one of"):
         ops.Leaf("constant")

@@ -141,3 +141,24 @@ def test_rejects_duplicate_leaf_names():
     b.add(b.input("x", [4], F32), b.weight("x", [4], F32))
     with pytest.raises(VerifyError, match="x"):
         verify(b.graph)
+
+
+def test_rejects_unnamed_leaves():
+    b = GraphBuilder("t")
+    b.silu(b.input("x", [4], F32))
+    b.graph.leafs[0].name = None
+    with pytest.raises(VerifyError, match=r"leaf <leaf f32\[4\]> has no name; leaves are bound by name"):
+        verify(b.graph)
+
+
+def test_rejects_undeclared_dims_in_attributes():
+    """A view's offset or strides may be symbolic; the dims they name must be the graph's."""
+    from llamir.ir import dims
+
+    g = block().graph
+    inner = g.outputs["inner"]
+    inner.op = ops.View(shape=inner.op.shape, strides=inner.op.strides, offset=dims.mul(4, dims.sym("T")))
+    verify(g)
+    inner.op = ops.View(shape=inner.op.shape, strides=inner.op.strides, offset=dims.mul(4, dims.sym("S")))
+    with pytest.raises(VerifyError, match=r"<view f16\[8\]>: attribute offset=4\*S uses undeclared dim 'S'"):
+        verify(g)
