@@ -12,7 +12,7 @@ log = logging.getLogger("llamir")
 
 LLAMA_MAX_SEQ = 256
 I32_MIN, I32_MAX = -2**31, 2**31 - 1        # llama_token, llama_pos and llama_seq_id are int32
-_POS_MAX = I32_MAX - 1                      # a cell's pos + 1 must fit
+POS_LIMIT = I32_MAX - 1                     # the largest position: a cell's pos + 1 must fit
 _EMPTY_POS = np.zeros(0, dtype=np.int32)
 _EMPTY_POS.flags.writeable = False
 _EMPTY_OUTPUT = np.zeros(0, dtype=bool)
@@ -308,9 +308,9 @@ class BatchAllocator:
                     raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
         self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
         pos = self._positions(fields.pos, memory)
-        if min(pos) < 0 or max(pos) > _POS_MAX:
-            bad = next(i for i, p in enumerate(pos) if not 0 <= p <= _POS_MAX)
-            raise BatchError(f"invalid pos[{bad}] = {pos[bad]} (positions are 0..{_POS_MAX})")
+        if min(pos) < 0 or max(pos) > POS_LIMIT:
+            bad = next(i for i, p in enumerate(pos) if not 0 <= p <= POS_LIMIT)
+            raise BatchError(f"invalid pos[{bad}] = {pos[bad]} (positions are 0..{POS_LIMIT})")
         self.pos = np.array(pos, dtype=np.int32)
         output = [False] * (n - 1) + [True] if fields.logits is None else fields.logits.tolist()
         if output_all and not all(output):

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from llamir.context.batch import LLAMA_MAX_SEQ, BatchAllocator, UBatch
+from llamir.context.batch import I32_MAX, I32_MIN, LLAMA_MAX_SEQ, POS_LIMIT, BatchAllocator, UBatch, is_integer
 from llamir.context.kv_cells import CellsSnapshot, KVCells
 from llamir.frontend.graph_kv import KVLayout, cache_k_name, cache_v_name
 from llamir.frontend.hparams import HParams
@@ -23,6 +23,11 @@ from llamir.ir.interp import storage_dtype, storage_shape
 
 log = logging.getLogger("llamir")
 POS_MAX = np.iinfo(np.int32).max
+
+
+class SeqOpError(ValueError):
+    """A memory sequence operation with an argument llama.cpp would assert (abort) on; nothing
+    was changed."""
 
 
 class MemoryStatus(IntEnum):
@@ -385,22 +390,45 @@ class KVCache:
             for buf in self.buffers.values():
                 buf[...] = 0
 
+    # -- sequence operations ---------------------------------------------------------------------
+    # llama.cpp GGML_ASSERTs (aborts the process) on a sequence id outside [0, seq_to_stream.size())
+    # (-1 allowed by seq_rm), a partial copy across streams, and crashes on seq_div by 0; here
+    # each raises SeqOpError before anything changes.
+
+    def _seq(self, op: str, seq_id, allow_all: bool = False) -> int:
+        """seq_id checked: an integer in [0, 256) (unified) or [0, n_seq_max); -1 if allow_all."""
+        if not is_integer(seq_id):
+            raise SeqOpError(f"{op}: seq_id = {seq_id!r} is not an integer")
+        n = len(self.seq_to_stream)
+        if not (0 <= seq_id < n or (allow_all and seq_id == -1)):
+            every = " or -1 (every sequence)" if allow_all else ""
+            raise SeqOpError(f"{op}: seq_id = {int(seq_id)} is out of range [0, {n}){every}")
+        return int(seq_id)
+
+    @staticmethod
+    def _int32(op: str, name: str, value) -> int:
+        if not is_integer(value):
+            raise SeqOpError(f"{op}: {name} = {value!r} is not an integer")
+        if not I32_MIN <= value <= I32_MAX:
+            raise SeqOpError(f"{op}: {name} = {int(value)} is out of the int32 range")
+        return int(value)
+
+    def _positions(self, op: str, p0, p1) -> tuple[int, int]:
+        """[p0, p1) with llama.cpp's conventions: p0 < 0 is 0, p1 < 0 is +inf."""
+        p0, p1 = self._int32(op, "p0", p0), self._int32(op, "p1", p1)
+        return (max(p0, 0), POS_MAX if p1 < 0 else p1)
+
     def _stream_ids(self, seq_id: int) -> list[int]:
-        if seq_id >= 0:
-            if seq_id >= len(self.seq_to_stream):
-                raise ValueError(f"seq_id {seq_id} is out of range [0, {len(self.seq_to_stream)})")
-            return [self.seq_to_stream[seq_id]]
-        return list(range(self.n_stream))
+        return [self.seq_to_stream[seq_id]] if seq_id >= 0 else list(range(self.n_stream))
 
     @staticmethod
     def _range(p0: int, p1: int) -> tuple[int, int]:
         return (max(p0, 0), POS_MAX if p1 < 0 else p1)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove [p0, p1) of seq_id (all sequences when seq_id < 0). Always True for this cache."""
-        if seq_id < -1:
-            raise ValueError(f"seq_id {seq_id} is invalid (use -1 for every sequence)")
-        p0, p1 = self._range(p0, p1)
+        """Remove [p0, p1) of seq_id (every sequence when seq_id is -1). Always True for this cache."""
+        seq_id = self._seq("seq_rm", seq_id, allow_all=True)
+        p0, p1 = self._positions("seq_rm", p0, p1)
         for stream in self._stream_ids(seq_id):
             cells = self.v_cells[stream]
             in_range = (cells.pos >= p0) & (cells.pos < p1)
@@ -418,18 +446,21 @@ class KVCache:
         return True
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        s0, s1 = self._stream_ids(src)[0], self._stream_ids(dst)[0]
+        src, dst = self._seq("seq_cp", src), self._seq("seq_cp", dst)
+        raw0, raw1 = self._int32("seq_cp", "p0", p0), self._int32("seq_cp", "p1", p1)
+        s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
         if s0 == s1:
             if src == dst:
                 return
-            p0, p1 = self._range(p0, p1)
+            p0, p1 = self._range(raw0, raw1)
             cells = self.v_cells[s0]
             sel = (cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, src]
             cells.seq[sel, dst] = True
             return
-        full = not ((0 < p0 < self.kv_size - 1) or (0 < p1 < self.kv_size - 1))
+        full = not ((0 < raw0 < self.kv_size - 1) or (0 < raw1 < self.kv_size - 1))
         if not full:
-            raise ValueError("seq_cp() across streams is only supported for full KV buffers (p0 = p1 = -1)")
+            raise SeqOpError(f"seq_cp: across streams only whole sequences are copied (p0 = p1 = -1), got "
+                             f"p0 = {raw0}, p1 = {raw1}")
         self.pending_copies.append((s0, s1))
         a, b = self.v_cells[s0], self.v_cells[s1]
         b.reset()
@@ -441,7 +472,8 @@ class KVCache:
         self.v_heads[s1] = self.v_heads[s0]
 
     def seq_keep(self, seq_id: int) -> None:
-        stream = self._stream_ids(seq_id)[0]
+        seq_id = self._seq("seq_keep", seq_id)
+        stream = self.seq_to_stream[seq_id]
         cells = self.v_cells[stream]
         new_head = cells.size
         for i in range(cells.size):
@@ -451,36 +483,49 @@ class KVCache:
             self.v_heads[stream] = new_head
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
-        stream = self._stream_ids(seq_id)[0]
+        """Move [p0, p1) of seq_id by `shift`; cells moved below 0 are freed. A shift that would
+        take a position past the int32 range is refused (in llama.cpp it overflows)."""
+        seq_id = self._seq("seq_add", seq_id)
+        p0, p1 = self._positions("seq_add", p0, p1)
+        shift = self._int32("seq_add", "shift", shift)
+        stream = self.seq_to_stream[seq_id]
         cells = self.v_cells[stream]
-        if shift == 0:
+        if shift == 0 or p0 == p1:
             return
-        p0, p1 = self._range(p0, p1)
-        if p0 == p1:
-            return
+        moved = np.nonzero((cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, seq_id])[0]
+        if len(moved) and int(cells.pos[moved].max()) + shift > POS_LIMIT:
+            raise SeqOpError(f"seq_add: shift = {shift} moves position {int(cells.pos[moved].max())} of sequence "
+                             f"{seq_id} past {POS_LIMIT}")
+        pending = cells.shift[moved].astype(np.int64) + shift
+        if len(moved) and not I32_MIN <= int(pending.min()) <= int(pending.max()) <= I32_MAX:
+            raise SeqOpError(f"seq_add: shift = {shift} overflows the pending K-shift of sequence {seq_id}")
         new_head = cells.size
-        for i in np.nonzero((cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, seq_id])[0]:
+        for i in moved:
             if cells.pos_add(i, shift) and new_head == cells.size:
                 new_head = int(i)
         self.v_heads[stream] = new_head if new_head != cells.size else 0
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        cells = self.v_cells[self._stream_ids(seq_id)[0]]
-        if d == 1:
-            return
+        """Divide the positions in [p0, p1) of seq_id by d >= 1 (llama.cpp divides by 0 and crashes,
+        and a negative d makes negative positions: both are refused)."""
+        seq_id = self._seq("seq_div", seq_id)
+        p0, p1 = self._positions("seq_div", p0, p1)
+        d = self._int32("seq_div", "d", d)
         if d <= 0:
-            raise ValueError(f"seq_div by {d}")
-        p0, p1 = self._range(p0, p1)
-        if p0 == p1:
+            raise SeqOpError(f"seq_div: d = {d}; positions can only be divided by d >= 1")
+        cells = self.v_cells[self.seq_to_stream[seq_id]]
+        if d == 1 or p0 == p1:
             return
         for i in np.nonzero((cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, seq_id])[0]:
             cells.pos_div(i, d)
 
     def seq_pos_min(self, seq_id: int) -> int:
-        return self.stream_of(seq_id).seq_pos_min(seq_id)
+        """The smallest position of seq_id in the cache, -1 if it holds none."""
+        return self.v_cells[self.seq_to_stream[self._seq("seq_pos_min", seq_id)]].seq_pos_min(int(seq_id))
 
     def seq_pos_max(self, seq_id: int) -> int:
-        return self.stream_of(seq_id).seq_pos_max(seq_id)
+        """The largest position of seq_id in the cache, -1 if it holds none."""
+        return self.v_cells[self.seq_to_stream[self._seq("seq_pos_max", seq_id)]].seq_pos_max(int(seq_id))
 
     # -- graph inputs -----------------------------------------------------------------------------
     def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> np.ndarray:

@@ -105,8 +105,13 @@ class LLVMBackend(Backend):
         """The split as native code (see the package docstring); BackendError for what it cannot run."""
         try:
             return self._compile(graph, observe_variant)
+        except BackendError:
+            raise
         except (CodegenError, ValueError, KeyError) as err:
             raise BackendError(f"llvm backend cannot compile {graph.name}: {type(err).__name__}: {err}") from err
+        except Exception as err:  # noqa: BLE001 - llvmlite raises NameError, RuntimeError, ...: all one failure here
+            raise BackendError(f"llvm backend failed to compile {graph.name} ({type(err).__module__}."
+                               f"{type(err).__name__}): {err}") from err
 
     def _compile(self, graph: Graph, observe_variant: bool = False) -> CompiledSplit:
         unsupported = [n for n in graph.nodes if not n.op.is_view and not self.supports_op(n)]
@@ -149,7 +154,7 @@ class LLVMBackend(Backend):
         self.compile_stats = stats
         log.info("llvm: compiled %s (%d steps, %d stages, %d kernels, %s) in %.2fs", graph.name, stats.n_steps,
                  stats.n_stages, stats.n_kernels, stats.cache, stats.total_s)
-        debug = None if observe_variant else (lambda: self._compile(graph, observe_variant=True))
+        debug = None if observe_variant else (lambda: self.compile(graph, observe_variant=True))
         exe = CompiledSplit(g, plan, FrameLayout.of(plan), addrs, tracker, self.pool, debug)
         self._executables.add(exe)
         return exe

@@ -76,7 +76,11 @@ def report_error(em: Emitter, frame: ir.Value, code: int, detail: ir.Value, site
 
 
 def kernel_symbol(kernel: Kernel) -> str:
-    """A stable symbol for a kernel: its class and a hash of its key (its static configuration)."""
+    """A stable symbol for a kernel: its class and a hash of its key (its static configuration).
+
+    The symbol is also the kernel's identity within a module: keys compared as tuples would
+    split one NaN attribute (NaN != NaN) into two kernels with one symbol, and merge 0.0 with
+    -0.0; their repr (exact for floats, 'nan' for every NaN) is what the code depends on."""
     digest = hashlib.sha256(repr(kernel.key()).encode()).hexdigest()[:24]
     return f"llamir_{type(kernel).__name__}_{digest}"
 
@@ -108,7 +112,7 @@ class ModuleBuilder:
         self.module = ir.Module(name)
         self.module.triple = target.triple
         self.layout = FrameLayout.of(plan)
-        self.kernels: dict[tuple, ir.Function] = {}
+        self.kernels: dict[str, ir.Function] = {}   # by kernel_symbol
 
     def build(self) -> ir.Module:
         self._entry()
@@ -117,18 +121,18 @@ class ModuleBuilder:
 
     def distinct_kernels(self) -> list[Kernel]:
         """One kernel per distinct key, in first-use order."""
-        seen: dict[tuple, Kernel] = {}
+        seen: dict[str, Kernel] = {}
         for step in self.plan.steps:
-            seen.setdefault(step.kernel.key(), step.kernel)
+            seen.setdefault(kernel_symbol(step.kernel), step.kernel)
         return list(seen.values())
 
     def kernel_fn(self, kernel: Kernel) -> ir.Function:
-        key = kernel.key()
-        fn = self.kernels.get(key)
+        symbol = kernel_symbol(kernel)
+        fn = self.kernels.get(symbol)
         if fn is None:
             n_rt = sum(1 for p in kernel.pattern if p is None)
             fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
-            fn = self.kernels[key] = ir.Function(self.module, fnty, kernel_symbol(kernel))
+            fn = self.kernels[symbol] = ir.Function(self.module, fnty, symbol)
         return fn
 
     # -- the entry -------------------------------------------------------------------------------
