@@ -157,3 +157,215 @@ def test_outputs_come_back_in_batch_order_through_lazy_swaps():
     assert out.row(1) == 0 and not out.swaps               # first access reorders
     np.testing.assert_array_equal(out.logits[:4], rows[[1, 3, 0, 2]])   # batch order 1, 2, 5, 7
     assert [out.row(i) for i in (1, 2, 5, 7)] == [0, 1, 2, 3]
+
+
+# -- issue 9, finding 3: Batch fields of the wrong kind, at construction and replaced later --------
+
+def _memory_state(ctx):
+    """Every cell's position, sequences and pending shift, and the search heads, of every cache."""
+    caches = getattr(ctx.memory, "caches", (ctx.memory,))
+    return [(c.pos.copy(), c.seq.copy(), c.shift.copy(), c.has_shift, list(cache.v_heads))
+            for cache in caches for c in cache.v_cells]
+
+
+def _assert_same_memory(ctx, before):
+    for (pos, seq, shift, has_shift, heads), now in zip(before, _memory_state(ctx), strict=True):
+        np.testing.assert_array_equal(now[0], pos)
+        np.testing.assert_array_equal(now[1], seq)
+        np.testing.assert_array_equal(now[2], shift)
+        assert (now[3], now[4]) == (has_shift, heads)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tokens=[2**63]), r"tokens\[0\] = 9223372036854775808 is out of range"),
+    (dict(tokens=[1, 2**31]), r"tokens\[1\] = 2147483648 is out of range"),
+    (dict(tokens=np.array([2**63], dtype=np.uint64)), r"tokens\[0\] = 9223372036854775808 is out of range"),
+    (dict(tokens=[1, 2.0]), r"tokens\[1\] = 2.0 is not an integer"),
+    (dict(tokens=np.array([1.7, 2.2])), r"tokens\[0\] = 1.7 is not an integer"),
+    (dict(tokens=[True]), r"tokens\[0\] = True is not an integer"),
+    (dict(tokens="12"), r"tokens must be a list, got str"),
+    (dict(tokens=[1], pos=[2**31]), r"pos\[0\] = 2147483648 is out of range"),
+    (dict(tokens=[1], pos=[0.5]), r"pos\[0\] = 0.5 is not an integer"),
+    (dict(tokens=[1], seq_ids=[(0, 2**63)]), r"seq_ids\[0\]\[1\] = 9223372036854775808 is out of range"),
+    (dict(tokens=[1], seq_ids=["0"]), r"seq_ids\[0\] must be a list, got str"),
+    (dict(tokens=[1], seq_ids=[(0.0,)]), r"seq_ids\[0\]\[0\] = 0.0 is not an integer"),
+    (dict(tokens=[1], seq_ids=[()]), r"seq_ids\[0\] is empty"),
+    (dict(tokens=[1, 2], logits=["False", "False"]), r"logits\[0\] = 'False' is not a flag"),
+    (dict(tokens=[1], logits=[2]), r"logits\[0\] = 2 is not a flag"),
+    (dict(tokens=[1], logits=np.array([0.0])), r"logits\[0\] = 0.0 is not a flag"),
+    (dict(tokens=[1], logits="all"), r"logits must be a list of flags, got the string 'all'"),
+    (dict(embd=[[1.0, 2.0], [3.0]]), r"embd is not a rectangular array"),
+    (dict(embd=np.array([["a"]])), r"embd must hold real numbers"),
+])
+def test_batch_constructor_refuses_wrong_kinds_with_batch_error(kwargs, message):
+    with pytest.raises(llamir.context.BatchError, match=message):
+        llamir.Batch(**kwargs)
+
+
+def test_batch_constructor_accepts_numpy_integers_and_0_1_flags(model):
+    plain = llamir.Batch(tokens=TOKENS[:3], pos=[0, 1, 2], seq_ids=[(0,)] * 3, logits=[False, True, True])
+    numpy_kinds = llamir.Batch(tokens=np.array(TOKENS[:3], dtype=np.int16), pos=[np.int64(0), np.uint8(1), 2],
+                               seq_ids=[np.int64(0), [np.int32(0)], (np.uint64(0),)], logits=[0, 1, np.bool_(True)])
+    assert numpy_kinds.seq_ids == [(0,), (0,), (0,)] and type(numpy_kinds.seq_ids[0][0]) is int
+    for a, b in ((plain.tokens, numpy_kinds.tokens), (plain.pos, numpy_kinds.pos), (plain.logits, numpy_kinds.logits)):
+        np.testing.assert_array_equal(a, b)
+    ctx, witness = _ctx(model), _ctx(model)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:3], seq_id=np.int64(0), pos0=np.int32(0), logits="all")) == 0
+    assert witness.decode(plain) == 0
+    np.testing.assert_array_equal(ctx.get_logits()[1:], witness.get_logits())
+
+
+def _replace(**fields):
+    def make():
+        batch = llamir.Batch.from_tokens(TOKENS[4:6], pos0=4)
+        for name, value in fields.items():
+            setattr(batch, name, value)
+        return batch
+    return make
+
+
+REPLACED = [  # fields replaced after the Batch was made: each was an IndexError/TypeError/AttributeError
+    (_replace(tokens=7), r"tokens must be a list, got int 7"),
+    (_replace(tokens=None), r"exactly one of tokens and embd"),
+    (_replace(tokens=[[1, 2], [3, 4]]), r"tokens\[0\] = \[1, 2\] is not an integer"),
+    (_replace(tokens=np.array([1.5, 2.5])), r"tokens\[0\] = 1.5 is not an integer"),
+    (_replace(tokens=np.array([1, 2**40])), r"tokens\[1\] = 1099511627776 is out of range"),
+    (_replace(tokens=[]), r"2 positions for 0 tokens"),
+    (_replace(pos=4), r"pos must be a list, got int 4"),
+    (_replace(pos=[4]), r"1 positions for 2 tokens"),
+    (_replace(pos=["4", "5"]), r"pos\[0\] = '4' is not an integer"),
+    (_replace(seq_ids=[(0,)]), r"1 seq_id lists for 2 tokens"),      # once an orphan cell after apply()
+    (_replace(seq_ids=[(0,), None]), r"seq_ids\[1\] must be a list, got NoneType"),
+    (_replace(seq_ids=[(0,), ()]), r"seq_ids\[1\] is empty"),
+    (_replace(seq_ids=0), r"seq_ids must be a list, got int 0"),
+    (_replace(logits=[True]), r"1 logits flags for 2 tokens"),
+    (_replace(logits="last"), r"logits must be a list of flags"),
+    (_replace(logits=["False", "True"]), r"logits\[0\] = 'False' is not a flag"),
+    (_replace(logits=None, tokens=None, embd="x"), r"embd must be \[n_tokens, n_embd\] numbers, got str"),
+    (_replace(embd=np.zeros((2, 64), np.float32)), r"exactly one of tokens and embd"),
+    (lambda: None, r"decode needs a llamir.Batch, got NoneType"),
+    (lambda: [5, 17], r"decode needs a llamir.Batch, got list"),
+]
+
+
+@pytest.mark.parametrize("make_batch,message", REPLACED)
+def test_replaced_batch_fields_are_checked_again_before_any_cell_is_taken(model, make_batch, message):
+    ctx = _ctx(model)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:4])) == 0
+    before, memory = ctx.get_logits_ith(-1).copy(), _memory_state(ctx)
+    assert ctx.decode(make_batch()) == -1
+    assert re.search(message, ctx.last_error), ctx.last_error
+    _assert_same_memory(ctx, memory)
+    np.testing.assert_array_equal(ctx.get_logits_ith(-1), before)
+    _assert_untouched(ctx, model, 4)
+
+
+def test_encode_checks_replaced_fields_too(model):
+    ctx = _ctx(model)
+    batch = llamir.Batch.from_tokens(TOKENS[:2])
+    batch.seq_ids = [(0,)]
+    assert ctx.encode(batch) == -1 and "1 seq_id lists for 2 tokens" in ctx.last_error
+
+
+# -- a failure after cells were taken rolls the whole batch back ----------------------------------
+
+def _witness_next_logits(model, tokens, nxt):
+    witness = _ctx(model)
+    assert witness.decode(llamir.Batch.from_tokens(tokens)) == 0
+    assert witness.decode(llamir.Batch.from_tokens([nxt], pos0=None)) == 0
+    return witness.get_logits_ith(-1)
+
+
+def test_compute_failure_in_a_later_ubatch_rolls_back_every_ubatch_and_the_outputs(model, monkeypatch):
+    ctx = _ctx(model, n_ubatch=3)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:4], logits="all")) == 0
+    logits, memory = ctx.get_logits().copy(), _memory_state(ctx)
+    run, calls = ctx.runner.run, []
+
+    def failing_run(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise llamir.backends.BackendError("kernel get_rows: row index 9 is out of range")
+        return run(*args)
+
+    monkeypatch.setattr(ctx.runner, "run", failing_run)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[4:10], pos0=None, logits="all")) == -3
+    assert "row index 9" in ctx.last_error and len(calls) == 2     # ubatch 0 had been computed
+    _assert_same_memory(ctx, memory)
+    np.testing.assert_array_equal(ctx.get_logits(), logits)      # the previous batch's outputs
+    monkeypatch.setattr(ctx.runner, "run", run)
+    assert ctx.decode(llamir.Batch.from_tokens([TOKENS[4]], pos0=None)) == 0
+    np.testing.assert_array_equal(ctx.get_logits_ith(-1), _witness_next_logits(model, TOKENS[:4], TOKENS[4]))
+
+
+def test_an_internal_error_is_a_status_not_an_exception_and_rolls_back(model, monkeypatch):
+    import llamir.context.context as context_module
+
+    ctx = _ctx(model)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:4])) == 0
+    memory = _memory_state(ctx)
+    ctx.runner.graphs.clear()
+    ctx._prev = None
+
+    def broken(*args, **kwargs):
+        raise TypeError("'NoneType' object is not subscriptable")
+
+    monkeypatch.setattr(context_module, "build_inputs", broken)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[4:6], pos0=None)) == -3
+    assert "internal error: TypeError" in ctx.last_error
+    _assert_same_memory(ctx, memory)
+    monkeypatch.undo()
+    assert ctx.decode(llamir.Batch.from_tokens([TOKENS[4]], pos0=None)) == 0
+    np.testing.assert_array_equal(ctx.get_logits_ith(-1), _witness_next_logits(model, TOKENS[:4], TOKENS[4]))
+
+
+# -- issue 9, finding 6: compile errors on the LLVM backend, NaN attributes -----------------------
+
+def test_an_llvm_compile_error_returns_minus_three_and_rolls_back(model, monkeypatch):
+    from llvmlite.ir._utils import DuplicatedNameError
+
+    from llamir.backends.llvm import LLVMBackend
+
+    ctx = _ctx(model, backend="llvm")
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:4])) == 0
+    memory = _memory_state(ctx)
+    ctx.runner.graphs.clear()                       # the next ubatch compiles again, and fails
+    ctx._prev = None
+
+    def duplicated(self, graph, observe_variant=False):
+        raise DuplicatedNameError("Duplicated name 'llamir_RowNorm_ecc650aec54d75bae08b3fdb'")
+
+    monkeypatch.setattr(LLVMBackend, "_compile", duplicated)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[4:6], pos0=None)) == -3
+    assert "DuplicatedNameError" in ctx.last_error and "failed to build the graph" in ctx.last_error
+    _assert_same_memory(ctx, memory)                # the batch is not left in the KV cache
+    monkeypatch.undo()
+    assert ctx.decode(llamir.Batch.from_tokens([TOKENS[4]], pos0=None)) == 0
+    np.testing.assert_array_equal(ctx.get_logits_ith(-1), _witness_next_logits(model, TOKENS[:4], TOKENS[4]))
+
+
+def _model_with(model, **hparams):
+    """The same GGUF loaded again, with hparams replaced (as a model built by hand could have)."""
+    from dataclasses import replace
+
+    copy = llamir.load_model(model.path)
+    copy.hparams = replace(copy.hparams, **hparams)
+    return copy
+
+
+def test_nan_rope_freq_base_compiles_on_llvm_and_gives_the_references_logits(model):
+    nan_model = _model_with(model, rope_freq_base_train=float("nan"))
+    logits = {}
+    for backend in ("llvm", "numpy"):
+        ctx = _ctx(nan_model, backend=backend)
+        assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:3], logits="all")) == 0, ctx.last_error
+        logits[backend] = ctx.get_logits().copy()
+    assert np.isnan(logits["numpy"]).all()          # NaN angles: the reference's logits are NaN too
+    np.testing.assert_array_equal(logits["llvm"], logits["numpy"])
+
+
+def test_nan_rms_eps_is_refused_at_graph_build_and_leaves_the_cache_empty(model):
+    ctx = _ctx(_model_with(model, f_norm_rms_eps=float("nan")), backend="llvm")
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:3])) == -3
+    assert "eps" in ctx.last_error
+    assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.v_cells[0].get_used() == 0
