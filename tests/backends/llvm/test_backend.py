@@ -277,3 +277,41 @@ def test_a_non_contiguous_weight_is_bound_through_a_kept_copy(llvm_backend):
     for _ in range(3):
         gc.collect()
         np.testing.assert_array_equal(exe(values, {"T": 4})["y"], want)
+
+
+def test_nan_attributes_key_their_kernels_stably(tmp_path):
+    """Issue 9, finding 6: NaN != NaN, so kernels keyed by attribute tuples declared one symbol
+    twice (llvmlite's DuplicatedNameError). Two NaN ropes (distinct NaN objects), a NaN scale and
+    a finite rope compile to one module and agree with the numpy reference, NaNs included."""
+    b = GraphBuilder("nan_attrs", dims=["T"])
+    x, pos = b.input("x", ["T", 2, 8], F32), b.input("pos", ["T"], I32)
+    for name, base in (("a", float("nan")), ("b", float("nan")), ("c", 10000.0)):
+        b.output(name, b.rope_ext(x, pos, n_dims=8, mode=0, n_ctx_orig=0, freq_base=base))
+    b.output("s", b.scale(b.rope_ext(x, pos, n_dims=8, mode=2, n_ctx_orig=0, freq_base=500.0), float("nan")))
+    backend = LLVMBackend(n_threads=1, cache_dir=tmp_path)     # a fresh cache: every kernel is built
+    exe = backend.compile(b.graph)
+    values = {"x": rng.standard_normal((3, 2, 8)).astype(np.float32), "pos": np.arange(3, dtype=np.int32)}
+    got, want = exe(values, {"T": 3}), run_graph(b.graph, values, {"T": 3})
+    for name in "abcs":
+        np.testing.assert_array_equal(got[name], want[name])     # NaN == NaN for assert_array_equal
+    assert np.isnan(got["a"]).any() and not np.isnan(got["c"]).any()
+
+
+@pytest.mark.parametrize("error", ["duplicated", "llvm"])
+def test_llvmlite_errors_while_compiling_are_backend_errors(tmp_path, monkeypatch, error):
+    """Whatever llvmlite raises (DuplicatedNameError is a NameError, LLVM's own errors come up as
+    RuntimeError) reaches the caller as BackendError naming the graph and the original type."""
+    import llvmlite.binding
+    from llvmlite.ir._utils import DuplicatedNameError
+
+    import llamir.backends.llvm.backend as backend_module
+
+    def fail(module, target, speed_level=3):
+        if error == "duplicated":
+            raise DuplicatedNameError(f"Duplicated name '{module.name}'")
+        return llvmlite.binding.parse_assembly("this is not LLVM IR")   # llvmlite's RuntimeError
+
+    monkeypatch.setattr(backend_module, "optimize_and_emit", fail)
+    with pytest.raises(BackendError, match=r"llvm backend failed to compile g \((llvmlite\S*|builtins)\."
+                                           r"(DuplicatedNameError|RuntimeError)\)"):
+        LLVMBackend(n_threads=1, cache_dir=tmp_path).compile(_graph(56))
