@@ -8,11 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from llamir.frontend.gguf_file import GGUFError, GGUFFile
+from llamir.frontend.gguf_file import GGUFFile
+from llamir.frontend.gguf_meta import LLAMA_MAX_LAYERS, GGUFType, MetadataError
 
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 POOLING_TYPES = {-1: "unspecified", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 SWA_TYPES = ("none", "standard", "chunked", "symmetric")
+LLAMA_MAX_EXPERTS = 1024
 
 
 @dataclass
@@ -92,88 +94,94 @@ class HParams:
         return out
 
 
-def _per_layer(value: Any, n_layer: int, key: str) -> tuple[int, ...]:
-    """get_key_or_arr: a scalar repeated, or an array of exactly n_layer entries."""
-    if value is None:
-        return (0,) * n_layer
-    if isinstance(value, (list, np.ndarray)):
-        arr = [int(v) for v in value]
-        if len(arr) != n_layer:
-            raise GGUFError(f"{key} has {len(arr)} entries for {n_layer} layers")
-        return tuple(arr)
-    return (int(value),) * n_layer
-
-
 def load_hparams(f: GGUFFile, arch: str) -> HParams:
-    """llama_model::load_hparams for the general keys; arch files refine the rest."""
+    """llama_model_base::load_hparams: the keys every architecture reads, with llama.cpp's types
+    (gguf_meta) and its asserts as errors; arch files read the rest (load_arch_hparams)."""
+    meta = f.metadata
+
     def key(name: str) -> str:
         return f"{arch}.{name}"
 
-    def req(name: str) -> Any:
-        return f.require(key(name))
+    meta.get_str("general.name")
+    n_ctx_train = meta.get_u32(key("context_length"), required=True)
+    n_embd = meta.get_u32(key("embedding_length"), required=True)
+    meta.get_u32(key("embedding_length_out"))
+    causal_attn = meta.get_bool(key("attention.causal"), True)
+    pooling = meta.get_u32(key("pooling_type"), -1)
+    meta.get_u32(key("classifier.pooling_type"))
+    n_layer_all = meta.get_u32(key("block_count"), required=True)
+    _require(f, 0 < n_layer_all <= LLAMA_MAX_LAYERS, f"{key('block_count')} = {n_layer_all}: llama.cpp needs "
+             f"0 < n_layer <= {LLAMA_MAX_LAYERS}")
+    n_layer_nextn = meta.get_u32(key("nextn_predict_layers"), 0)
+    _require(f, n_layer_nextn <= n_layer_all, f"{key('nextn_predict_layers')} = {n_layer_nextn} is more than "
+             f"the {n_layer_all} layers")
+    n_expert, n_expert_used = _load_experts(f, arch, n_layer_all)
 
-    n_layer = int(req("block_count"))
-    if not 0 < n_layer <= 512:
-        raise GGUFError(f"{f.path}: {key('block_count')} = {n_layer} is out of range")
-    n_embd = int(req("embedding_length"))
-    n_head_arr = _per_layer(f.get(key("attention.head_count")), n_layer, key("attention.head_count"))
-    kv_raw = f.get(key("attention.head_count_kv"))
-    n_head_kv_arr = n_head_arr if kv_raw is None else _per_layer(kv_raw, n_layer, key("attention.head_count_kv"))
-    n_ff_arr = _per_layer(f.get(key("feed_forward_length")), n_layer, key("feed_forward_length"))
-    n_head = n_head_arr[0]
+    n_ff_arr = meta.get_u32_or_arr(key("feed_forward_length"), n_layer_all, (0,) * n_layer_all)
+    n_head_arr = meta.get_u32_or_arr(key("attention.head_count"), n_layer_all, (0,) * n_layer_all)
+    n_head_kv_arr = meta.get_u32_or_arr(key("attention.head_count_kv"), n_layer_all, n_head_arr)
+    rope_finetuned = meta.get_bool(key("rope.scaling.finetuned"), False)
+    n_ctx_orig_yarn = meta.get_u32(key("rope.scaling.original_context_length"), n_ctx_train)
+    rope_freq_base = meta.get_f32(key("rope.freq_base"), 10000.0)
+    scaling = meta.get_str(key("rope.scaling.type"), "linear")
+    _require(f, scaling in ROPE_SCALING_TYPES, f"{key('rope.scaling.type')} = {scaling!r} is not one of "
+             f"{', '.join(ROPE_SCALING_TYPES)}")
+    factor = meta.get_f32(key("rope.scaling.factor"))
+    if factor is None:
+        factor = meta.get_f32(key("rope.scale_linear"), 0.0)
+    rope_attn_factor = meta.get_f32(key("rope.scaling.attn_factor"), 1.0)
+    meta.get_f32(key("rope.scaling.alpha"))
+
     head_k = head_v = n_rot = 0
-    if n_head > 0:
-        if n_embd % n_head and key("attention.key_length") not in f.metadata:
-            raise GGUFError(f"{f.path}: n_embd {n_embd} is not divisible by n_head {n_head}")
-        head_k = int(f.get(key("attention.key_length"), n_embd // n_head))
-        head_v = int(f.get(key("attention.value_length"), n_embd // n_head))
-        n_rot = int(f.get(key("rope.dimension_count"), head_k))
-    for il, (h, hkv) in enumerate(zip(n_head_arr, n_head_kv_arr)):
-        if hkv and h % hkv:
-            raise GGUFError(f"{f.path}: layer {il}: n_head {h} is not a multiple of n_head_kv {hkv}")
+    if n_head_arr[0] > 0:
+        head_k = meta.get_u32(key("attention.key_length"), n_embd // n_head_arr[0])
+        head_v = meta.get_u32(key("attention.value_length"), n_embd // n_head_arr[0])
+        n_rot = meta.get_u32(key("rope.dimension_count"), head_k)
+    for name in ("attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
+        meta.get_u32(key(name))
+    meta.get_arr(key("classifier.output_labels"), (GGUFType.STRING,), non_array_missing=True)
 
-    scaling = str(f.get(key("rope.scaling.type"), "linear"))
-    if scaling not in ROPE_SCALING_TYPES:
-        raise GGUFError(f"{f.path}: unknown rope scaling type {scaling!r}")
-    factor = float(f.get(key("rope.scaling.factor"), f.get(key("rope.scale_linear"), 0.0)) or 0.0)
-    n_vocab = f.get(key("vocab_size"))
-    if n_vocab is None:
-        n_vocab = len(f.get("tokenizer.ggml.tokens") or [])
-    n_ctx_train = int(req("context_length"))
-    pooling = int(f.get(key("pooling_type"), -1))
-
+    for il, (h, hkv) in enumerate(zip(n_head_arr, n_head_kv_arr, strict=True)):
+        # ggml's mul_mat broadcasts KV heads over query heads only by whole multiples (llama.cpp
+        # loads such a file and aborts when it builds the attention)
+        _require(f, (h == 0 and hkv == 0) or (hkv > 0 and h % hkv == 0),
+                 f"layer {il}: n_head {h} is not a multiple of n_head_kv {hkv}")
+    n_layer = n_layer_all - n_layer_nextn
     return HParams(
-        arch=arch,
-        n_vocab=int(n_vocab),
-        n_ctx_train=n_ctx_train,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_ff_arr=n_ff_arr,
-        n_head_arr=n_head_arr,
-        n_head_kv_arr=n_head_kv_arr,
-        n_embd_head_k=head_k,
-        n_embd_head_v=head_v,
-        n_rot=n_rot,
-        f_norm_eps=float(f.get(key("attention.layer_norm_epsilon"), 0.0)),
-        f_norm_rms_eps=float(f.get(key("attention.layer_norm_rms_epsilon"), 0.0)),
-        rope_freq_base_train=float(f.get(key("rope.freq_base"), 10000.0)),
-        rope_freq_scale_train=1.0 if factor == 0.0 else 1.0 / factor,
-        rope_scaling_type_train=scaling,
-        rope_attn_factor=float(f.get(key("rope.scaling.attn_factor"), 1.0)),
-        rope_finetuned=bool(f.get(key("rope.scaling.finetuned"), False)),
-        n_ctx_orig_yarn=int(f.get(key("rope.scaling.original_context_length"), n_ctx_train)),
-        yarn_ext_factor=float(f.get(key("rope.scaling.yarn_ext_factor"), -1.0)),
-        yarn_attn_factor=float(f.get(key("rope.scaling.yarn_attn_factor"), 1.0)),
-        yarn_beta_fast=float(f.get(key("rope.scaling.yarn_beta_fast"), 32.0)),
-        yarn_beta_slow=float(f.get(key("rope.scaling.yarn_beta_slow"), 1.0)),
-        yarn_log_mul=float(f.get(key("rope.scaling.yarn_log_multiplier"), 0.0)),
-        f_attention_scale=float(f.get(key("attention.scale"), 0.0)),
-        causal_attn=bool(f.get(key("attention.causal"), True)),
-        pooling_type=POOLING_TYPES.get(pooling, "unspecified"),
-        n_expert=int(f.get(key("expert_count"), 0)),
-        n_expert_used=int(f.get(key("expert_used_count"), 0)),
-        n_swa=int(f.get(key("attention.sliding_window"), 0)),
-        f_attn_logit_softcapping=float(f.get(key("attn_logit_softcapping"), 0.0)),
-        f_final_logit_softcapping=float(f.get(key("final_logit_softcapping"), 0.0)),
-        f_max_alibi_bias=float(f.get(key("attention.max_alibi_bias"), 0.0)),
+        arch=arch, n_vocab=0, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
+        n_ff_arr=n_ff_arr[:n_layer], n_head_arr=n_head_arr[:n_layer], n_head_kv_arr=n_head_kv_arr[:n_layer],
+        n_embd_head_k=head_k, n_embd_head_v=head_v, n_rot=n_rot,
+        rope_freq_base_train=rope_freq_base,
+        # f32 arithmetic, as llama.cpp's 1.0f/ropescale
+        rope_freq_scale_train=1.0 if factor == 0.0 else float(np.float32(1.0) / np.float32(factor)),
+        rope_scaling_type_train=scaling, rope_attn_factor=rope_attn_factor, rope_finetuned=rope_finetuned,
+        n_ctx_orig_yarn=n_ctx_orig_yarn, causal_attn=causal_attn,
+        pooling_type=POOLING_TYPES.get(pooling, "unspecified"), n_expert=n_expert,
+        n_expert_used=max(n_expert_used[:n_layer], default=0),
     )
+
+
+def _load_experts(f: GGUFFile, arch: str, n_layer: int) -> tuple[int, tuple[int, ...]]:
+    """The expert counts and llama.cpp's GGML_ASSERTs on them (which abort llama.cpp)."""
+    meta = f.metadata
+    n_expert = meta.get_u32(f"{arch}.expert_count", 0)
+    used = meta.get_u32_or_arr(f"{arch}.expert_used_count", n_layer, (0,) * n_layer)
+    n_groups = meta.get_u32(f"{arch}.expert_group_count", 0)
+    n_group_used = meta.get_u32(f"{arch}.expert_group_used_count", 0)
+    used_max = max(used)
+    what = (f"{arch}.expert_count = {n_expert}, expert_used_count = {used_max}, expert_group_count = {n_groups}, "
+            f"expert_group_used_count = {n_group_used}")
+    ok = n_expert <= LLAMA_MAX_EXPERTS and used_max <= n_expert
+    if n_expert > 0:
+        ok = ok and used_max > 0 and n_groups < n_expert
+        if n_groups > 1:
+            ok = ok and n_expert % n_groups == 0 and 0 < n_group_used < n_groups
+    else:
+        ok = ok and used_max == 0 and n_groups == 0
+    _require(f, ok, f"{what}: inconsistent expert counts (llama.cpp asserts and aborts)")
+    return n_expert, used
+
+
+def _require(f: GGUFFile, ok: bool, message: str) -> None:
+    if not ok:
+        raise MetadataError(f"{f.path}: {message}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -86,21 +87,19 @@ class Model:
 def load_model(path: str | Path, vocab_only: bool = False) -> Model:
     """Open and validate a GGUF model: architecture, hparams, vocab and every tensor's shape.
 
-    With vocab_only, as in llama.cpp, only general.architecture and the tokenizer.* keys are read:
-    any architecture loads, and the model can tokenize but not run."""
+    Every metadata value is read with the type llama.cpp reads it as (gguf_meta), and the file is
+    refused where llama.cpp refuses it (or would abort on it), with a ModelError naming the key or
+    tensor. With vocab_only, as in llama.cpp, only the general and tokenizer.* keys are read: any
+    architecture loads, and the model can tokenize but not run."""
     import time
 
     t0 = time.perf_counter()
     path = Path(path)
     try:
         f = GGUFFile(path)
+        arch_name = _read_general(f)
     except GGUFError as err:
         raise ModelError(str(err)) from None
-    arch_name = f.get("general.architecture")
-    if arch_name is None:
-        raise ModelError(f"{path}: metadata key general.architecture is missing")
-    if not isinstance(arch_name, str):
-        raise ModelError(f"{path}: general.architecture must be a string, got {type(arch_name).__name__}")
     if vocab_only:
         vocab = _load_vocab(f)
         if vocab is None:
@@ -113,18 +112,32 @@ def load_model(path: str | Path, vocab_only: bool = False) -> Model:
                          f"{', '.join(sorted(ARCHS))} (load_model(path, vocab_only=True) reads the vocab "
                          "of any architecture)")
     arch = ARCHS[arch_name]()
-    vocab = _load_vocab(f)
     try:
         hp = load_hparams(f, arch_name)
         arch.load_hparams(f, hp)
     except (GGUFError, ArchError) as err:
         raise ModelError(str(err)) from None
-    if vocab is not None and hp.n_vocab != vocab.n_tokens:
-        raise ModelError(f"{path}: {arch_name}.vocab_size = {hp.n_vocab} but the vocab has {vocab.n_tokens} tokens")
+    vocab = _load_vocab(f)
+    if vocab is None:   # llama.cpp's vocab loader requires the key
+        raise ModelError(f"{path}: required metadata key 'tokenizer.ggml.model' is missing (llama.cpp needs a vocab)")
+    hp.n_vocab = vocab.n_tokens   # llama.cpp shapes the tensors by the vocab, not by {arch}.vocab_size
     model = Model(path, f, arch, hp, vocab)
     _check_tensors(model)
     model.t_load_ms = (time.perf_counter() - t0) * 1e3
     return model
+
+
+def _read_general(f: GGUFFile) -> str:
+    """What llama_model_loader and load_hparams read of every file: the architecture (a string; none
+    is the unknown architecture ""), the split count, the file type and the name."""
+    meta = f.metadata
+    arch_name = meta.get_str("general.architecture", "")
+    n_split = meta.get_u16("split.count", 0)
+    if n_split > 1:
+        raise GGUFError(f"{f.path}: split.count = {n_split}: split GGUF files are not supported by llamir")
+    meta.get_u32("general.file_type")
+    meta.get_str("general.name")
+    return arch_name
 
 
 def _load_vocab(f: GGUFFile):
@@ -139,8 +152,11 @@ def _load_vocab(f: GGUFFile):
 
 
 def _check_tensors(model: Model) -> None:
-    """Every tensor the architecture needs exists with the shape llama.cpp would create."""
-    for spec in model.arch.tensor_specs(model.hparams):
+    """Every tensor the architecture needs exists with the shape llama.cpp would create, and the file
+    holds no other (llama.cpp counts them: done_getting_tensors)."""
+    specs = model.arch.tensor_specs(model.hparams)
+    _check_no_extra_tensors(model, {spec.name for spec in specs})
+    for spec in specs:
         t = model.tensors.get(spec.name)
         if t is None:
             if spec.required:
@@ -150,10 +166,17 @@ def _check_tensors(model: Model) -> None:
             raise ModelError(f"{model.path}: tensor {spec.name!r} has wrong shape {list(t.shape)}; "
                              f"expected {list(spec.shape)} (numpy order; ggml ne "
                              f"{list(reversed(spec.shape))})")
-        if t.shape and t.shape[-1] % t.dtype.block_size:
-            raise ModelError(f"{model.path}: tensor {spec.name!r} row of {t.shape[-1]} is not a whole number "
-                             f"of {t.dtype} blocks")
-        expected = int(np.prod(t.shape[:-1], dtype=np.int64)) * t.dtype.row_bytes(t.shape[-1]) if t.shape else 0
-        if t.n_bytes != expected:
-            raise ModelError(f"{model.path}: tensor {spec.name!r} holds {t.n_bytes} bytes; {t.dtype} "
-                             f"{list(t.shape)} needs {expected} (truncated file?)")
+
+
+def _check_no_extra_tensors(model: Model, known: set[str]) -> None:
+    extra = [name for name in model.tensors if name not in known]
+    if not extra:
+        return
+    arch, name = model.arch, extra[0]
+    patterns = [re.escape(p).replace(r"\{il\}", r"\d+") for p in arch.unimplemented_tensors]
+    if any(re.fullmatch(p, name) for p in patterns):
+        raise ModelError(f"{model.path}: tensor {name!r} is one llama.cpp's {arch.name} loader can read, but "
+                         "llamir does not implement it")
+    raise ModelError(f"{model.path}: tensor {name!r} is not one the {arch.name} architecture loads; llama.cpp "
+                     f"refuses the file (done_getting_tensors: wrong number of tensors; expected "
+                     f"{len(model.tensors)}, got {len(model.tensors) - len(extra)})")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from llamir.frontend import unicode as uc
+from llamir.frontend.gguf_meta import GGUFType, Metadata, MetadataError
 from llamir.frontend.vocab_algos import (
     BpeTokenizer,
     SpmTokenizer,
@@ -61,6 +62,16 @@ _SPECIAL = ATTR_CONTROL | ATTR_UNKNOWN
 _ESCAPED_SPACE = "\u2581".encode()
 
 
+def _typed_array(meta: Metadata, key: str, items: tuple[GGUFType, ...]) -> Any:
+    """An array value of `key` with one of the item types llama.cpp's vocab loader accepts (None if
+    missing), or its "invalid gguf type for <key>" error."""
+    try:
+        return meta.get_arr(key, items)
+    except MetadataError:
+        wanted = " or ".join(f"arr[{t.label}]" for t in items)
+        raise ValueError(f"invalid gguf type for {key}: {meta.value_type(key)}, expected {wanted}") from None
+
+
 class Vocab:
     """Token texts, scores and attributes, the special ids, and llama.cpp's tokenizer flags."""
 
@@ -87,18 +98,20 @@ class Vocab:
     # ------------------------------------------------------------------ loading
 
     def __init__(self, meta: Mapping[str, Any]):
-        model = meta.get("tokenizer.ggml.model")
-        if model is None:
+        meta = Metadata.of(meta)   # every value is read with the type llama.cpp reads it as
+        if "tokenizer.ggml.model" not in meta:
             raise ValueError("GGUF metadata has no tokenizer.ggml.model: the file has no vocabulary")
-        if not isinstance(model, str):
-            raise ValueError(f"tokenizer.ggml.model must be a string, got {type(model).__name__}")
+        model = meta.get_str("tokenizer.ggml.model")
+        meta.get_u32("tokenizer.ggml.token_type_count")
         if model in _NOT_PORTED:
             raise ValueError(f"tokenizer model {model!r} is known to llama.cpp but not supported by llamir")
         if model not in _MODEL_TYPES:
             raise ValueError(f"unknown tokenizer: {model!r} (tokenizer.ggml.model)")
         self.model, self.type = model, _MODEL_TYPES[model]
-        self.pre = "gemma4" if model == "gemma4" else str(meta.get("tokenizer.ggml.pre", ""))
-        self.chat_template = meta.get("tokenizer.chat_template")
+        pre = meta.get_str("tokenizer.ggml.pre", "")
+        self.pre = "gemma4" if model == "gemma4" else pre
+        template = meta.get("tokenizer.chat_template")   # llama.cpp reads it untyped, as text
+        self.chat_template = template if isinstance(template, str) else None
         self._ids = dict.fromkeys(ID_KEYS, -1) | _DEFAULT_IDS[model]
         self._read_flags(meta)
         self._ranks = self._read_merges(meta) if self.type == BPE else {}
@@ -116,21 +129,19 @@ class Vocab:
         self._set_strip_attrs(meta)
         self._pieces: dict[int, bytes] = {}
 
-    def _read_merges(self, meta: Mapping[str, Any]) -> dict[str, int]:
-        merges = meta.get("tokenizer.ggml.merges")
+    def _read_merges(self, meta: Metadata) -> dict[str, int]:
+        merges = _typed_array(meta, "tokenizer.ggml.merges", (GGUFType.STRING,))
         if merges is None and self.pre == "kimi-k2":
             return {}   # llama.cpp lets Kimi-K2 go without merges
         if merges is None:
             raise ValueError("cannot find tokenizer merges (tokenizer.ggml.merges) in a BPE vocab")
-        if not isinstance(merges, Sequence) or not all(isinstance(m, str) for m in merges[:16]):
-            raise ValueError("invalid gguf type for tokenizer.ggml.merges: expected an array of strings")
         # keyed "left right": llama.cpp splits at the first space after the first byte, and the
         # symbols it looks up never hold a space, so the joined text is an exact key; the first
         # of two equal merges wins (unordered_map::emplace), hence the reversed fill
         ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
         return ranks
 
-    def _read_flags(self, meta: Mapping[str, Any]) -> None:
+    def _read_flags(self, meta: Metadata) -> None:
         self.add_space_prefix, self.add_bos, self.add_eos, self.add_sep = False, False, False, False
         self.ignore_merges, self.clean_spaces, self.escape_whitespaces = False, False, True
         self.lowercase = True
@@ -148,8 +159,8 @@ class Vocab:
             self.add_eos = True
         else:  # WPM
             self.clean_spaces, self.add_bos, self.add_sep = True, True, True
-        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
-        self.remove_extra_whitespaces = bool(meta.get("tokenizer.ggml.remove_extra_whitespaces", False))
+        self.add_space_prefix = meta.get_bool("tokenizer.ggml.add_space_prefix", self.add_space_prefix)
+        self.remove_extra_whitespaces = meta.get_bool("tokenizer.ggml.remove_extra_whitespaces", False)
 
     def _pre_tokenizer(self) -> PreTokenizer:
         if not self.pre:
@@ -161,17 +172,15 @@ class Vocab:
             raise ValueError(f"unknown pre-tokenizer type: {self.pre!r} (tokenizer.ggml.pre)")
         return PRE_TOKENIZERS[self.pre]
 
-    def _read_tokens(self, meta: Mapping[str, Any]) -> None:
-        tokens = meta.get("tokenizer.ggml.tokens")
+    def _read_tokens(self, meta: Metadata) -> None:
+        tokens = _typed_array(meta, "tokenizer.ggml.tokens", (GGUFType.STRING,))
         if tokens is None:
             raise ValueError("cannot find tokenizer vocab (tokenizer.ggml.tokens) in the metadata")
-        if isinstance(tokens, (str, bytes)) or not all(isinstance(t, str) for t in tokens[:16]):
-            raise ValueError("invalid gguf type for tokenizer.ggml.tokens: expected an array of strings")
         n = len(tokens)
         if n == 0:
             raise ValueError("tokenizer.ggml.tokens is empty")
-        scores = self._array(meta, "tokenizer.ggml.scores", n, np.float32)
-        types = self._array(meta, "tokenizer.ggml.token_type", n, np.int64)
+        scores = self._array(meta, "tokenizer.ggml.scores", (GGUFType.INT32, GGUFType.FLOAT32), n, np.float32)
+        types = self._array(meta, "tokenizer.ggml.token_type", (GGUFType.INT32,), n, np.int64)
         # llama.cpp reads each text as a C string (gguf_get_arr_str), so a NUL ends it, and renames
         # empty tokens so that no special token can match the empty string
         texts = [t.partition("\0")[0] if "\0" in t else t for t in tokens]
@@ -186,18 +195,19 @@ class Vocab:
         self._max_token_len = max(len(b) for b in self._token_bytes)
 
     @staticmethod
-    def _array(meta: Mapping[str, Any], key: str, n: int, dtype: type) -> np.ndarray | None:
-        if key not in meta:
+    def _array(meta: Metadata, key: str, items: tuple[GGUFType, ...], n: int, dtype: type) -> np.ndarray | None:
+        values = _typed_array(meta, key, items)
+        if values is None:
             return None
         try:
-            values = np.asarray(meta[key], dtype=dtype)
-        except (TypeError, ValueError):
+            values = np.asarray(values, dtype=dtype)
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"invalid gguf type for {key}: expected a numeric array") from None
         if values.ndim != 1 or len(values) < n:
             raise ValueError(f"{key} has {values.size} entries for {n} tokens")
         return values[:n]
 
-    def _make_tokenizer(self, meta: Mapping[str, Any]) -> SpmTokenizer | BpeTokenizer | WpmTokenizer | UgmTokenizer:
+    def _make_tokenizer(self, meta: Metadata) -> SpmTokenizer | BpeTokenizer | WpmTokenizer | UgmTokenizer:
         if self.type == UGM:
             return UgmTokenizer(self._token_bytes, self._scores, self._attrs, self._charsmap(meta), self._ids["unk"],
                                 escape_whitespaces=self.escape_whitespaces, add_space_prefix=self.add_space_prefix,
@@ -214,14 +224,11 @@ class Vocab:
                             self.ignore_merges, newline_words_whole=spec.kind == "gemma4")
 
     @staticmethod
-    def _charsmap(meta: Mapping[str, Any]) -> CharsMap | None:
-        key = "tokenizer.ggml.precompiled_charsmap"
-        if key not in meta:
+    def _charsmap(meta: Metadata) -> CharsMap | None:
+        blob = _typed_array(meta, "tokenizer.ggml.precompiled_charsmap", (GGUFType.INT8, GGUFType.UINT8))
+        if blob is None:
             return None
-        blob = meta[key]
-        if not isinstance(blob, np.ndarray) or blob.dtype not in (np.uint8, np.int8):
-            raise ValueError(f"invalid gguf type for {key}: expected an array of int8 or uint8")
-        return CharsMap(blob.tobytes())   # an empty one is refused, as in llama.cpp
+        return CharsMap(np.asarray(blob).astype(np.uint8).tobytes())   # an empty one is refused, as in llama.cpp
 
     def _find_linefeed(self) -> int:
         if self.type == SPM:
@@ -235,29 +242,28 @@ class Vocab:
         self._tokenizer.tokenize(b"\n", ids)   # no special tokens are known yet, as in llama.cpp
         return ids[0] if ids else self._ids["pad"]
 
-    def _read_special_ids(self, meta: Mapping[str, Any]) -> None:
+    def _read_special_ids(self, meta: Metadata) -> None:
         n = self.n_tokens
         for name, keys in ID_KEYS.items():
             for key in keys:
                 if self._ids[name] >= n:
                     log.warning("default %s token %d is out of range; disabled", name, self._ids[name])
                     self._ids[name] = -1
-                if key not in meta:
+                new_id = meta.get_u32(key)
+                if new_id is None:
                     continue
-                new_id = int(meta[key])
                 if 0 <= new_id < n:
                     self._ids[name] = new_id
                 else:
                     log.warning("bad special token %s = %d; keeping %d", key, new_id, self._ids[name])
         for flag in ("add_bos", "add_eos", "add_sep"):
-            key = f"tokenizer.ggml.{flag}_token"
-            if key in meta:
-                setattr(self, flag, bool(meta[key]))
+            setattr(self, flag, meta.get_bool(f"tokenizer.ggml.{flag}_token", getattr(self, flag)))
         if self.pre_tokenizer is not None and self.pre_tokenizer.kind == "gemma4":
             self.add_bos = True   # llama.cpp forces BOS for Gemma 4
         lowercase = self.lowercase
-        self.lowercase = bool(meta.get("tokenizer.ggml.normalizer.lowercase", lowercase))
-        self.strip_accents = bool(meta.get("tokenizer.ggml.normalizer.strip_accents", self.lowercase))
+        self.lowercase = meta.get_bool("tokenizer.ggml.normalizer.lowercase", lowercase)
+        self.strip_accents = meta.get_bool("tokenizer.ggml.normalizer.strip_accents", self.lowercase)
+        _typed_array(meta, "tokenizer.ggml.suppress_tokens", (GGUFType.INT32,))   # checked, as llama.cpp
         if isinstance(self._tokenizer, WpmTokenizer):
             tok = self._tokenizer
             tok.unk, tok.lowercase, tok.strip_accents = self.unk, self.lowercase, self.strip_accents
@@ -318,11 +324,11 @@ class Vocab:
             self._attrs[plain_s[-1]] = ATTR_NORMAL
         self._eog = frozenset(eog)
 
-    def _set_strip_attrs(self, meta: Mapping[str, Any]) -> None:
+    def _set_strip_attrs(self, meta: Metadata) -> None:
         """Per-model lstrip/rstrip of special tokens, keyed on names as in llama.cpp."""
-        name = str(meta.get("general.name", "")).encode().lower().decode(errors="replace")
-        pre = str(meta.get("tokenizer.ggml.pre", ""))
-        arch = str(meta.get("general.architecture", ""))
+        name = meta.get_str("general.name", "").encode().lower().decode(errors="replace")
+        pre = meta.get_str("tokenizer.ggml.pre", "")
+        arch = meta.get_str("general.architecture", "")
 
         def require(text: str) -> int:
             if text not in self._token_to_id:

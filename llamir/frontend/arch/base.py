@@ -35,6 +35,9 @@ class Architecture(ABC):
 
     name: ClassVar[str]
     rope_type: ClassVar[int] = ROPE_NORM
+    # tensors llama.cpp's loader for this architecture reads (optionally) that llamir does not
+    # implement; "{il}" stands for a layer index
+    unimplemented_tensors: ClassVar[tuple[str, ...]] = ()
 
     def load_hparams(self, f, hp: HParams) -> None:
         """Arch-specific keys and checks (load_arch_hparams); the default needs an rms eps."""
@@ -53,8 +56,11 @@ class Architecture(ABC):
         """Build the decoder graph on a GraphContext `g`."""
 
 
-def decoder_specs(hp: HParams, *, qkv_bias: bool = False, qk_norm: bool = False) -> list[TensorSpec]:
-    """The tensors of a llama-style decoder (llama.cpp load_arch_tensors for llama/qwen2/qwen3)."""
+def decoder_specs(hp: HParams, *, qk_norm: bool = False, out_bias: bool = False,
+                  rope_freqs: bool = False) -> list[TensorSpec]:
+    """The tensors of a llama-style decoder (llama.cpp load_arch_tensors for llama/qwen2/qwen3/gemma3):
+    q/k/v biases are optional everywhere (create_tensor_qkv); the attention output bias and
+    rope_freqs only where the architecture's loader creates them."""
     e, v = hp.n_embd, hp.n_vocab
     specs = [TensorSpec("token_embd.weight", (v, e)), TensorSpec("output_norm.weight", (e,)),
              TensorSpec("output.weight", (v, e), required=False)]
@@ -72,20 +78,29 @@ def decoder_specs(hp: HParams, *, qkv_bias: bool = False, qk_norm: bool = False)
             TensorSpec(p + "ffn_up.weight", (hp.n_ff(il), e)),
             TensorSpec(p + "ffn_down.weight", (e, hp.n_ff(il))),
         ]
-        specs += [TensorSpec(p + f"attn_{x}.bias", (n,), required=qkv_bias)
+        specs += [TensorSpec(p + f"attn_{x}.bias", (n,), required=False)
                   for x, n in (("q", n_q), ("k", hp.n_embd_k_gqa(il)), ("v", hp.n_embd_v_gqa(il)))]
-        specs.append(TensorSpec(p + "attn_output.bias", (e,), required=False))
+        if out_bias:
+            specs.append(TensorSpec(p + "attn_output.bias", (e,), required=False))
         if qk_norm:
             specs += [TensorSpec(p + "attn_q_norm.weight", (hp.n_embd_head_k,)),
                       TensorSpec(p + "attn_k_norm.weight", (hp.n_embd_head_k,))]
-    specs.append(TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), required=False))
+    if rope_freqs:
+        specs.append(TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), required=False))
     return specs
 
 
 def require_rms_eps(f, hp: HParams) -> None:
-    if f.get(f"{hp.arch}.attention.layer_norm_rms_epsilon") is None:
-        raise ArchError(f"{f.path}: required key {hp.arch}.attention.layer_norm_rms_epsilon is missing")
+    """get_key(LLM_KV_ATTENTION_LAYERNORM_RMS_EPS), required, f32. ggml's rms_norm asserts eps >= 0
+    (llama.cpp loads a NaN or negative eps, then aborts at its first decode), so it is refused here."""
+    key = f"{hp.arch}.attention.layer_norm_rms_epsilon"
+    eps = f.metadata.get_f32(key, required=True)
+    if not eps >= 0.0:
+        raise ArchError(f"{f.path}: {key} = {eps}: ggml's rms_norm needs eps >= 0 (llama.cpp aborts on it)")
+    hp.f_norm_rms_eps = eps
 
 
-__all__ = ["ARCHS", "ROPE_NEOX", "ROPE_NORM", "ArchError", "Architecture", "TensorSpec", "decoder_specs",
+FUSED_QKV = ("blk.{il}.attn_qkv.weight", "blk.{il}.attn_qkv.bias")
+
+__all__ = ["ARCHS", "FUSED_QKV", "ROPE_NEOX", "ROPE_NORM", "ArchError", "Architecture", "TensorSpec", "decoder_specs",
            "register_arch", "require_rms_eps"]

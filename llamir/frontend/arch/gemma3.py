@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from llamir.frontend.arch.base import (
+    FUSED_QKV,
     ROPE_NEOX,
+    ArchError,
     Architecture,
     TensorSpec,
     decoder_specs,
@@ -19,21 +23,33 @@ from llamir.frontend.arch.base import (
 class Gemma3(Architecture):
     name = "gemma3"
     rope_type = ROPE_NEOX
+    unimplemented_tensors = FUSED_QKV + ("dense_2_out.weight", "dense_3_out.weight")
 
     def load_hparams(self, f, hp) -> None:
+        """llama_model_gemma3::load_arch_hparams, with llama.cpp's key types (gguf_meta)."""
+        meta, key = f.metadata, f"{hp.arch}."
+        n_swa = meta.get_u32(key + "attention.sliding_window")
+        if n_swa:
+            hp.n_swa, hp.swa_type = n_swa, "standard"
+            self._load_swa_pattern(meta, hp, key + "attention.sliding_window_pattern", 6)
+            hp.rope_freq_base_train_swa = meta.get_f32(key + "rope.freq_base_swa", hp.rope_freq_base_train_swa)
+        hp.f_final_logit_softcapping = meta.get_f32(key + "final_logit_softcapping", 0.0)
         super().load_hparams(f, hp)
-        key = f"{hp.arch}."
-        if hp.n_swa > 0:
-            hp.swa_type = "standard"
-            pattern = f.get(key + "attention.sliding_window_pattern", 6)
-            if isinstance(pattern, (list, tuple)) or getattr(pattern, "ndim", 0):
-                hp.swa_layers = tuple(bool(x) for x in pattern)
-            else:
-                hp.set_swa_pattern(int(pattern))
-            hp.rope_freq_base_train_swa = float(f.get(key + "rope.freq_base_swa", 10000.0))
-        hp.f_final_logit_softcapping = float(f.get(key + "final_logit_softcapping", 0.0))
-        # gemma_pytorch: 27B scales by n_embd/n_head, the others by the head size
-        hp.f_attention_scale = 1.0 / math.sqrt(hp.n_embd // hp.n_head() if hp.n_layer == 62 else hp.n_embd_head_k)
+        # gemma_pytorch: 27B scales by n_embd/n_head, the others by the head size (in f32, as llama.cpp)
+        if hp.n_layer == 62 and not hp.n_head():
+            raise ArchError(f"{f.path}: gemma3 27B scales attention by n_embd/n_head, but n_head is 0")
+        n = hp.n_embd // hp.n_head() if hp.n_layer == 62 else hp.n_embd_head_k
+        with np.errstate(divide="ignore"):   # a head size of 0 scales by inf, as in llama.cpp
+            hp.f_attention_scale = float(np.float32(1.0) / np.sqrt(np.float32(n)))
+
+    @staticmethod
+    def _load_swa_pattern(meta, hp, key: str, n_pattern: int) -> None:
+        """load_swa_pattern: a per-layer array (layers past its end are dense), or a u32 period."""
+        layers = meta.get_u32_arr(key)
+        if layers is not None:
+            hp.swa_layers = tuple(bool(x) for x in layers[:hp.n_layer]) + (False,) * (hp.n_layer - len(layers))
+        else:
+            hp.set_swa_pattern(meta.get_u32(key, n_pattern))
 
     def tensor_specs(self, hp):
         specs = decoder_specs(hp, qk_norm=True)

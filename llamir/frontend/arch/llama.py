@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import ROPE_NORM, ArchError, Architecture, decoder_specs, register_arch
+from llamir.frontend.arch.base import FUSED_QKV, ROPE_NORM, ArchError, Architecture, decoder_specs, register_arch
 
 
 @register_arch
 class Llama(Architecture):
     name = "llama"
     rope_type = ROPE_NORM
+    unimplemented_tensors = FUSED_QKV + ("blk.{il}.ffn_gate.bias", "blk.{il}.ffn_down.bias", "blk.{il}.ffn_up.bias",
+                                         "rope_factors_long.weight", "rope_factors_short.weight")
 
     def load_hparams(self, f, hp) -> None:
+        meta = f.metadata
+        if meta.get_u32(f"{hp.arch}.vocab_size") is None:   # read (for the model type) only by llama
+            meta.get_arr_n("tokenizer.ggml.tokens")
         super().load_hparams(f, hp)
+        if hp.n_expert:
+            raise ArchError(f"{f.path}: {hp.arch}.expert_count = {hp.n_expert}: llama.cpp reads this as a "
+                            "mixture-of-experts llama, which llamir does not implement")
         if hp.n_rot != hp.n_embd_head_k:
             raise ArchError(f"invalid n_rot: {hp.n_rot}, expected {hp.n_embd_head_k}")
 
     def tensor_specs(self, hp):
-        return decoder_specs(hp)
+        return decoder_specs(hp, out_bias=True, rope_freqs=hp.rope_scaling_type_train != "longrope")
 
     def kq_scale(self, hp) -> float:
         return hp.f_attention_scale or 1.0 / math.sqrt(hp.n_embd_head_v)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llamir.frontend.arch.base import ROPE_NEOX, Architecture, decoder_specs, register_arch
+from llamir.frontend.arch.base import FUSED_QKV, ROPE_NEOX, Architecture, decoder_specs, register_arch
 from llamir.frontend.arch.llama import Llama
 
 
@@ -13,6 +13,7 @@ from llamir.frontend.arch.llama import Llama
 class Qwen3(Llama):
     name = "qwen3"
     rope_type = ROPE_NEOX
+    unimplemented_tensors = FUSED_QKV + ("cls_out.weight",)
 
     def load_hparams(self, f, hp) -> None:
         Architecture.load_hparams(self, f, hp)   # the rms eps, without llama's n_rot check
