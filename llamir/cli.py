@@ -286,12 +286,24 @@ def cmd_logits(args) -> int:
 
 
 def cmd_graph(args) -> int:
-    from llamir.context import Context
+    from llamir.context import Context, ContextParamsError
 
+    if args.n_ctx < 0:
+        raise CliError(f"--n-ctx must be >= 0 (0: the model's training context), got {args.n_ctx}")
+    if args.n_tokens is not None and args.n_tokens < 1:
+        raise CliError(f"--n-tokens must be at least 1, got {args.n_tokens}")
     model = _load(args.model)
-    ctx = Context(model, n_ctx=args.n_ctx, flash_attn=args.flash_attn)
+    try:
+        ctx = Context(model, n_ctx=args.n_ctx, flash_attn=args.flash_attn)
+    except (ContextParamsError, ValueError) as err:
+        raise CliError(f"--n-ctx {args.n_ctx}: {err}") from None
+    except MemoryError as err:
+        raise CliError(f"--n-ctx {args.n_ctx}: cannot allocate its KV cache ({err})") from None
+    if args.n_tokens is not None and args.n_tokens > ctx.cparams.n_ctx:
+        raise CliError(f"--n-tokens {args.n_tokens} is more than the context's {ctx.cparams.n_ctx} cells "
+                       f"(--n-ctx {args.n_ctx}): one batch cannot hold more tokens than the context")
     graph = model.build_graph(ctx.graph_config(has_tokens=True))
-    if args.n_tokens:
+    if args.n_tokens is not None:
         from llamir.ir.bind import bind_dims
 
         n_kv = min(ctx.memory.kv_size, max(256, -(-args.n_tokens // 256) * 256))
@@ -395,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("graph", help="print the model's textual IR")
     p.add_argument("model")
-    p.add_argument("--n-tokens", type=int, default=0, dest="n_tokens",
-                   help="bind the symbolic dims for a batch of N tokens (all outputs)")
+    p.add_argument("--n-tokens", type=int, default=None, dest="n_tokens",
+                   help="bind the symbolic dims for a batch of N tokens (all outputs), 1 <= N <= n_ctx")
     p.add_argument("--n-ctx", type=int, default=512, dest="n_ctx")
     p.add_argument("--flash-attn", choices=["on", "off"], default="off", dest="flash_attn")
     p.set_defaults(func=cmd_graph)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -91,6 +92,9 @@ def _params(args):
         split = tuple(float(x) for x in args.tensor_split.split(",")) if args.tensor_split else ()
     except ValueError:
         raise _error(f"--tensor-split {args.tensor_split!r}: expected comma-separated numbers") from None
+    bad = [x for x in split if not (math.isfinite(x) and x >= 0)]
+    if bad:
+        raise _error(f"--tensor-split {args.tensor_split!r}: every share must be a finite number >= 0, got {bad[0]}")
     return PlacementParams(
         n_gpu_layers=args.n_gpu_layers,
         split_mode=args.split_mode,
@@ -99,6 +103,19 @@ def _params(args):
         overrides=tuple(overrides),
         offload_kqv=not args.no_kv_offload,
     )
+
+
+def _check_batch_args(args) -> None:
+    """The sizes of the planned batch and context, before the model is loaded."""
+    for flag, value in (("--n-ctx", args.n_ctx), ("--n-ubatch", args.n_ubatch), ("--n-tokens", args.n_tokens)):
+        if value < 1:
+            raise _error(f"{flag} must be at least 1, got {value}")
+    largest = min(args.n_ctx, args.n_ubatch)
+    if args.n_tokens > largest:
+        raise _error(f"--n-tokens {args.n_tokens} is more than one ubatch holds (the smaller of --n-ctx "
+                     f"{args.n_ctx} and --n-ubatch {args.n_ubatch}): a graph is built for one ubatch")
+    if not 0 <= args.n_outputs <= args.n_tokens:
+        raise _error(f"--n-outputs must be in 0..{args.n_tokens} (the batch's tokens), got {args.n_outputs}")
 
 
 def _error(message: str):
@@ -124,6 +141,7 @@ def cmd_splits(args) -> int:
     cpus = [d for d in devices if d.is_cpu]
     if len(cpus) > 1 or not devices[-1].is_cpu:
         raise _error("give the CPU at most once, as the last --device")
+    _check_batch_args(args)
     params = _params(args)
     try:
         for regex, _ in params.overrides:

@@ -51,6 +51,21 @@ def test_graph_prints_parseable_ir(model_path, capsys):
     assert bound.dim_names == () and bound.leaf("inp_tokens").type.shape == (9,)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--n-tokens", "0"], "--n-tokens must be at least 1, got 0"),
+    (["--n-tokens", "-3"], "--n-tokens must be at least 1, got -3"),
+    (["--n-tokens", "600"], "--n-tokens 600 is more than the context's 512 cells (--n-ctx 512)"),
+    (["--n-ctx", "-1"], "--n-ctx must be >= 0 (0: the model's training context), got -1"),
+    (["--n-ctx", str(10**14)], f"--n-ctx {10**14}: "),                 # no MemoryError traceback
+])
+def test_graph_bad_arguments_are_one_clear_line(model_path, capsys, args, message):
+    """Issue 9: these leaked ValueError (negative dims), MemoryError, or printed a graph whose dims
+    overflow int64, which parse_graph refuses."""
+    assert main(["graph", str(model_path), *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llamir: error: ") and message in err and err.count("\n") == 1
+
+
 def test_tokenize_ids_is_a_json_list(model_path, capsys):
     assert main(["tokenize", str(model_path), "Hello world", "--ids"]) == 0
     ids = json.loads(capsys.readouterr().out)

@@ -89,6 +89,11 @@ def test_svg_colours_backends_and_marks_copies(capsys, model_path, tmp_path):
         (["--override-tensor", "ffn"], "expected REGEX=DEVICE"),
         (["--device", "sim:gpu0:ops=all,-set_rows"], "cannot run set_rows"),
         (["--explain", "no_such_node"], "no value named 'no_such_node'"),
+        (["--n-tokens", "0"], "--n-tokens must be at least 1, got 0"),  # issue 9: -1 leaked a ValueError
+        (["--n-tokens", "65"], "--n-tokens 65 is more than one ubatch holds (the smaller of --n-ctx 64"),
+        (["--n-outputs", "2"], "--n-outputs must be in 0..1 (the batch's tokens), got 2"),
+        (["--n-ubatch", "-1"], "--n-ubatch must be at least 1, got -1"),
+        (["--tensor-split", "nan"], "every share must be a finite number >= 0, got nan"),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, model_path, args, message):
