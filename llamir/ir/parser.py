@@ -27,9 +27,9 @@ from llamir.ir.graph import Graph, Node
 from llamir.ir.ops import OPS, IRError
 from llamir.ir.ops.leaf import LEAF_KINDS
 from llamir.ir.types import MAX_RANK, TensorType
+from llamir.ir.verifier import INT64_MAX, VerifyError, check_attr_dims, check_view_bounds, type_problem, verify
 
 INT32_MAX = 2**31 - 1      # ggml's op params are int32
-INT64_MAX = 2**63 - 1      # ggml's ne[] are int64
 
 _WS = " \t\r\f\v"
 _IDENT = re.compile(r"[A-Za-z_][\w.\-]*")        # graph and output names, as graph.py checks them
@@ -200,8 +200,6 @@ class _BodyReader:
             raise cur.error(f"expected '%N = ...', 'return ...' or '}}', got {cur.shown()}")
 
     def finish(self, lineno: int) -> Graph:
-        from llamir.ir.verifier import VerifyError, verify
-
         try:
             verify(self.graph)
         except VerifyError as err:   # the checks above should have caught it first, with its line
@@ -302,8 +300,6 @@ def _short(digits: str) -> str:
 
 def _check_node(cur: _Cursor, graph: Graph, node: Node) -> None:
     """What the verifier checks beyond typing: concrete views in bounds, attribute dims declared."""
-    from llamir.ir.verifier import VerifyError, check_attr_dims, check_view_bounds
-
     try:
         check_attr_dims(graph, node)
         check_view_bounds(node)
@@ -333,7 +329,11 @@ def _type(cur: _Cursor, graph: Graph) -> TensorType:
         if len(shape) > MAX_RANK:
             raise cur.error(f"a type has at most {MAX_RANK} dims", pos)
     cur.expect("]", "or ',' in the shape")
-    return TensorType(tuple(shape), dtype)
+    type_ = TensorType(tuple(shape), dtype)
+    problem = type_problem(type_)
+    if problem:
+        raise cur.error(problem, pos)
+    return type_
 
 
 def _dim(cur: _Cursor, graph: Graph) -> dims.Dim:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from llamir.ir import dims
 from llamir.ir.graph import Graph, topo_check
 from llamir.ir.ops import IRError
+from llamir.ir.types import TensorType
+
+INT64_MAX = 2**63 - 1
 
 
 class VerifyError(IRError):
@@ -14,7 +17,8 @@ class VerifyError(IRError):
 def verify(graph: Graph) -> None:
     """Raise VerifyError unless: leaves are leaf ops and nodes are not; nodes are in topological
     order; every type equals what its op infers; users lists match the edges; dims are
-    declared (in types and in attributes); leaves are named, uniquely; outputs belong to the graph;
+    declared (in types and in attributes); types are ones a tensor can have (whole quantized
+    blocks, a byte size int64 counts); leaves are named, uniquely; outputs belong to the graph;
     concrete views stay inside their source."""
     members = {id(x) for x in graph.all_values()}
     leaf_names: set[str] = set()
@@ -48,6 +52,9 @@ def verify(graph: Graph) -> None:
         check_attr_dims(graph, node)
         check_view_bounds(node)
     for x in graph.all_values():
+        problem = type_problem(x.type)
+        if problem:
+            raise VerifyError(f"{x!r}: {problem}")
         if len(x.users) != expected_users.get(id(x), 0):
             raise VerifyError(f"{x!r} lists {len(x.users)} users but {expected_users.get(id(x), 0)} "
                               "nodes use it")
@@ -58,6 +65,22 @@ def verify(graph: Graph) -> None:
     for name, node in graph.outputs.items():
         if id(node) not in members:
             raise VerifyError(f"output {name!r} is not a value of the graph")
+
+
+def type_problem(t: TensorType) -> str | None:
+    """What makes `t` a type no tensor can have (None if nothing): a quantized row that is not whole
+    blocks (ggml_new_tensor asserts ne[0] % blck_size == 0), or more bytes than int64 counts."""
+    if t.dtype.block_size != 1:
+        row = t.shape[-1]
+        if not isinstance(row, int):
+            return f"a {t.dtype} row needs a concrete length, got {row}"
+        if row % t.dtype.block_size:
+            return f"a {t.dtype} row of {row} elements is not a whole number of {t.dtype.block_size}-element blocks"
+    nbytes = t.nbytes
+    coef = nbytes if isinstance(nbytes, int) else nbytes.coef     # for T*...: the bytes at T = 1
+    if coef > INT64_MAX:
+        return f"{t} takes {coef} bytes, more than int64 counts"
+    return None
 
 
 def check_attr_dims(graph: Graph, node) -> None:

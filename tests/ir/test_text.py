@@ -438,6 +438,11 @@ def test_bad_headers(header, message):
     ('  %0 = input : f32[T,-4] "x"', r"^line 2, column 22: expected a dim \(a count >= 0.*got '-4'$"),
     ('  %0 = input : f32[T,4,1,1,1] "x"', r"^line 2, column 16: a type has at most 4 dims$"),
     ('  %0 = input : f32[] "x"', r"^line 2, column 20: expected a dim .*, got '\]'$"),
+    ('  %0 = input : f32[4611686018427387904,2] "x"', r"^line 2, column 16: f32\[4611686018427387904,2\] takes "
+                                                     r"36893488147419103232 bytes, more than int64 counts$"),
+    ('  %0 = input : q4_0[T,48] "x"', r"^line 2, column 16: a q4_0 row of 48 elements is not a whole number of "
+                                      r"32-element blocks$"),
+    ('  %0 = input : q8_0[4,T] "x"', r"^line 2, column 16: a q8_0 row needs a concrete length, got T$"),
 ])
 def test_huge_and_negative_dims_are_refused(line, message):
     with pytest.raises(ParseError, match=message):

@@ -81,8 +81,9 @@ def _grow(draw, b: GraphBuilder, x, pool, T):
                           n_ctx_orig=draw(st.integers(0, 2**31 - 1)), freq_base=draw(floats),
                           freq_scale=draw(floats), ext_factor=draw(floats), beta_fast=draw(floats))
     if kind == "mul_mat":
+        whole_blocks = isinstance(x.shape[-1], int) and x.shape[-1] % 32 == 0
         w = b.weight(_fresh(b, "w"), [draw(st.integers(1, 5)), x.shape[-1]],
-                     draw(st.sampled_from([F32, F16, Q8_0, Q4_0])))
+                     draw(st.sampled_from([F32, F16, Q8_0, Q4_0] if whole_blocks else [F32, F16])))
         return b.mul_mat(w, x)
     if kind == "get_rows":
         return b.get_rows(b.weight(_fresh(b, "emb"), [7, x.shape[-1]], F32), b.input(_fresh(b, "tok"), [T], I32))
@@ -134,8 +135,8 @@ def builder_graphs(draw):
     graph_name = draw(st.from_regex(r"[A-Za-z_][\w.\-]{0,10}", fullmatch=True))
     b = GraphBuilder(graph_name, dims=list(dim_names))
     T = dims.prod([draw(st.sampled_from([1, 2, 3])), *map(dims.sym, dim_names[:draw(st.integers(0, 2))])])
-    pool = [b.input("x", [T, 8], F32), b.weight("w", [1, 8], F32), b.input("y", [2, T, 4], F32),
-            b.state("s:" + draw(st.text(max_size=12)), [3, 2, 4], F16)]
+    pool = [b.input("x", [T, 8], F32), b.input("x32", [T, 32], F32), b.weight("w", [1, 8], F32),
+            b.input("y", [2, T, 4], F32), b.state("s:" + draw(st.text(max_size=12)), [3, 2, 4], F16)]
     for _ in range(draw(st.integers(1, 14))):
         try:
             node = _grow(draw, b, draw(st.sampled_from(pool)), pool, T)

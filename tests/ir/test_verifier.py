@@ -162,3 +162,19 @@ def test_rejects_undeclared_dims_in_attributes():
     inner.op = ops.View(shape=inner.op.shape, strides=inner.op.strides, offset=dims.mul(4, dims.sym("S")))
     with pytest.raises(VerifyError, match=r"<view f16\[8\]>: attribute offset=4\*S uses undeclared dim 'S'"):
         verify(g)
+
+
+def test_rejects_types_no_tensor_can_have():
+    """ggml_new_tensor asserts whole quantized blocks per row; sizes must fit ggml's int64 counts."""
+    from llamir.ir import Q4_0
+
+    for shape, message in [([4, 48], r"a q4_0 row of 48 elements is not a whole number of 32-element blocks"),
+                           ([4, "T"], r"a q4_0 row needs a concrete length, got T")]:
+        b = GraphBuilder("t", dims=["T"])
+        b.weight("w", shape, Q4_0)                                   # the builder does not check
+        with pytest.raises(VerifyError, match=message):
+            verify(b.graph)
+    b = GraphBuilder("t", dims=["T"])
+    b.input("x", ["T", 2**61, 2], F32)
+    with pytest.raises(VerifyError, match=r"f32\[T,2305843009213693952,2\] takes 18446744073709551616 bytes"):
+        verify(b.graph)
