@@ -197,7 +197,7 @@ def cmd_perplexity(args) -> int:
 
 def render_chat(model, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The model's chat template rendered with jinja2, as llama.cpp's --jinja path does."""
-    import jinja2
+    import jinja2.sandbox
 
     template = model.vocab.chat_template
     if not template:
