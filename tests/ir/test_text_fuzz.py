@@ -277,3 +277,19 @@ def test_huge_pieces_are_refused_without_recursion(piece):
         for i in range(len(lines)):
             for spot in (0, len(lines[i]) // 2, len(lines[i])):
                 check_parse("\n".join(lines[:i] + [lines[i][:spot] + piece + lines[i][spot:]] + lines[i + 1:]))
+
+
+def test_the_atheris_script_checks_and_mutates_without_atheris(capsys):
+    """fuzz/fuzz_ir.py's property and token mutator run here too (atheris is needed only to fuzz)."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("fuzz_ir", Path(__file__).parents[2] / "fuzz" / "fuzz_ir.py")
+    fuzz_ir = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz_ir)
+    assert fuzz_ir.replay([str(p) for p in sorted(GOLDEN.rglob("*.ir"))]) == 0
+    assert capsys.readouterr().out.count(": parsed: graph ") == len(SEEDS)
+    rng = random.Random(0)
+    outcomes = {fuzz_ir.check(fuzz_ir.mutate_tokens(rng.choice(SEEDS), rng).encode("utf-8", "surrogatepass"))
+                .split(":")[0] for _ in range(300)}
+    assert outcomes == {"parsed", "refused"}
