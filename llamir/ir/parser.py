@@ -17,6 +17,7 @@ number in the text sizes an allocation.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -40,6 +41,7 @@ _INT = re.compile(r"-?[0-9]+", re.ASCII)
 _FLOAT = re.compile(r"[+-]?(?:inf|nan|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)(?![\w.])", re.ASCII)
 _SHOWN = re.compile(r"[^\s,()\[\]{}:=*%\"]+|.", re.DOTALL)
 _GRAPH = re.compile(r"graph(?![\w.\-])")
+_RETURN = re.compile(r"return(?![\w.\-])")
 _MAX_LITERAL = 64          # the longest float repr is 24 characters; longer literals are refused unread
 
 
@@ -192,7 +194,7 @@ class _BodyReader:
                             f"got {cur.shown()}")
         if head == "%":
             self._value(cur)
-        elif cur.text.startswith("return", cur.pos) and not re.match(r"[\w.]", cur.text[cur.pos + 6:cur.pos + 7]):
+        elif _RETURN.match(cur.text, cur.pos):
             cur.pos += len("return")
             self._return(cur)
             self.return_line = cur.lineno
@@ -208,7 +210,7 @@ class _BodyReader:
 
     def _value(self, cur: _Cursor) -> None:
         start = cur.pos
-        cur.expect("%", "")
+        cur.pos += 1                                    # the '%' line() saw
         index = cur.token(_DIGITS, "a value number after '%'")
         if index != str(len(self.values)):
             raise cur.error(f"value %{_short(index)} out of order (expected %{len(self.values)})", start)
@@ -219,12 +221,14 @@ class _BodyReader:
             self.values.append(self._leaf(cur, head))
             return
         if head not in OPS or OPS[head].is_leaf:
-            raise cur.error(f"unknown op {head!r}", head_pos)
+            known = [name for name, cls in OPS.items() if not cls.is_leaf] + list(LEAF_KINDS)
+            close = difflib.get_close_matches(head, known, n=1)
+            raise cur.error(f"unknown op {head!r}" + (f" (did you mean {close[0]!r}?)" if close else ""), head_pos)
         self.values.append(self._node(cur, head))
 
     def _leaf(self, cur: _Cursor, kind: str) -> Node:
         if cur.peek() == "(":
-            raise cur.error(f"a {kind} leaf takes no arguments")
+            raise cur.error(f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} leaf takes no arguments")
         type_ = _colon_type(cur, self.graph, kind)
         name = self._name(cur)
         if self.graph.nodes:

@@ -308,7 +308,7 @@ def _broken(line_no: int, new_line: str) -> str:
 @pytest.mark.parametrize("line_no,new_line,message", [
     (1, "graf t(T) {", r"^line 1, column 1: expected 'graph NAME\(dims\) \{', got 'graf t\(T\) \{'$"),
     (2, '  %0 = input : f32[S,4] "x"', r"^line 2, column 20: dim 'S' is not declared by graph t \(declared: T\)$"),
-    (2, '  %0 = inptu : f32[T,4] "x"', r"^line 2, column 8: unknown op 'inptu'$"),
+    (2, '  %0 = inptu : f32[T,4] "x"', r"^line 2, column 8: unknown op 'inptu' \(did you mean 'input'\?\)$"),
     (2, '  %0 = input : f33[T,4] "x"', r"^line 2, column 16: unknown dtype 'f33'; known: f32, f16"),
     (2, '  %0 = input f32[T,4] "x"', r"^line 2, column 14: missing ': type' after input, got 'f32'$"),
     (3, "  %1 = silu(%0) : f32[T,5]", r"^line 3: silu infers f32\[T,4\] but the text says f32\[T,5\]$"),
@@ -404,8 +404,9 @@ def test_duplicate_and_missing_leaf_names_are_refused():
                                                   r"got '\}'$"),
     ('  %1 = silu(%0) : f32[T,4] "\\q"', r"^line 3, column 29: bad string literal: Invalid \\escape$"),
     ('  %1 = silu(%0) : f32[T,4] "open', r"^line 3, column 28: bad string literal: Unterminated string"),
-    ("  %1 = leaf() : f32[T,4]", r"^line 3, column 8: unknown op 'leaf'$"),
-    ('  %1 = input(%0) : f32[T,4] "y"', r"^line 3, column 13: a input leaf takes no arguments$"),
+    ("  %1 = leaf() : f32[T,4]", r"^line 3, column 8: unknown op 'leaf'"),
+    ("  %1 = rmsnorm(%0) : f32[T,4]", r"^line 3, column 8: unknown op 'rmsnorm' \(did you mean 'rms_norm'\?\)$"),
+    ('  %1 = input(%0) : f32[T,4] "y"', r"^line 3, column 13: an input leaf takes no arguments$"),
 ])
 def test_malformed_lines_get_messages_naming_the_token(line, message):
     """The old parser said 'line 3: substring not found' (no ')'), 'invalid literal for int()'
