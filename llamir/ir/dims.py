@@ -123,18 +123,25 @@ def dim_str(d: Dim) -> str:
     return str(d)
 
 
+_COUNT = re.compile(r"[0-9]{1,19}", re.ASCII)   # a dim is a size: >= 0, and ggml's ne[] are int64
+INT64_MAX = 2**63 - 1
+
+
 def parse_dim(text: str) -> Dim:
-    """Inverse of dim_str: "576", "T", "4*T", "T*n_kv"."""
+    """Inverse of dim_str: "576", "T", "4*T", "T*n_kv". ValueError for anything else, including
+    negative counts and coefficients past int64."""
     text = text.strip()
     coef, factors = 1, []
     for part in text.split("*"):
         part = part.strip()
-        if re.fullmatch(r"-?\d+", part):
+        if _COUNT.fullmatch(part):
             coef *= int(part)
+            if coef > INT64_MAX:
+                raise ValueError(f"invalid dim {text[:40]!r}: its coefficient does not fit in int64")
         elif _NAME.fullmatch(part):
             factors.append(part)
         else:
-            raise ValueError(f"invalid dim {text!r}")
+            raise ValueError(f"invalid dim {text[:40]!r}: {part[:40]!r} is neither a count nor a name")
     return _make(coef, factors)
 
 

@@ -78,10 +78,12 @@ class TensorType:
 
 
 def parse_type(text: str) -> TensorType:
-    """Inverse of str(TensorType): "f32[T,576]"."""
+    """Inverse of str(TensorType): "f32[T,576]". ValueError for anything else."""
     text = text.strip()
-    if not text.endswith("]") or "[" not in text:
-        raise ValueError(f"invalid tensor type {text!r}")
-    name, _, body = text[:-1].partition("[")
-    shape = tuple(dims.parse_dim(p) for p in body.split(",")) if body.strip() else ()
-    return TensorType(shape, dtype_named(name))
+    name, bracket, body = text.partition("[")
+    if not bracket or not body.endswith("]") or "[" in body[:-1] or "]" in body[:-1]:
+        raise ValueError(f"invalid tensor type {text[:60]!r}: expected DTYPE[DIM,...] such as f32[T,64]")
+    parts = body[:-1].split(",")
+    if len(parts) > MAX_RANK:
+        raise ValueError(f"invalid tensor type {text[:60]!r}: more than {MAX_RANK} dims")
+    return TensorType(tuple(dims.parse_dim(p) for p in parts), dtype_named(name.strip()))

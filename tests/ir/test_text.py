@@ -499,3 +499,20 @@ def test_lenient_spellings_parse_to_the_canonical_graph():
     loose = ("graph  t( T ) {\r\n  %0=input:f32[ T , 4 ]\"x\"\r\n"
              "  %1 = scale( %0 ) { s = 1.0 , b = 0.0 } : f32[T,4]\r\n  return y=%1\r\n}\r\n")
     assert print_graph(parse_graph(loose)) == GOOD.replace("silu(%0)", "scale(%0)")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("f32[-1]", r"invalid dim '-1': '-1' is neither a count nor a name"),
+    ("f32[T*٣]", r"'٣' is neither a count nor a name"),
+    ("f32[" + "9" * 5000 + "]", r"is neither a count nor a name"),            # no int() of 5000 digits
+    ("f32[4294967296*4294967296]", r"its coefficient does not fit in int64"),
+    ("f32[T]]", r"expected DTYPE\[DIM,...\] such as f32\[T,64\]"),
+    ("f32[1,2,3,4,5]", r"more than 4 dims"),
+])
+def test_parse_type_is_as_strict_as_the_parser(text, message):
+    from llamir.ir import parse_type
+
+    with pytest.raises(ValueError, match=message):
+        parse_type(text)
+    assert parse_type(" f32[T,4*n_kv] ") == parse_graph(
+        'graph t(T, n_kv) {\n  %0 = input : f32[T,4*n_kv] "x"\n}\n').leafs[0].type
