@@ -143,14 +143,17 @@ def read_file(path, magic: int, versions: tuple[int, ...], n_token_capacity,
     except OSError as err:
         raise StateError(f"cannot read {path}: {err.strerror or err}") from None
     r = Reader(data)
-    got_magic, got_version = r.unpack("II", "magic and version")
-    if got_magic != magic or got_version not in versions:
-        raise StateError(f"{path}: unknown (magic, version) for {kind} file: {got_magic:08x}, {got_version} "
-                         f"(expected {magic:08x}, {' or '.join(map(str, versions))})")
-    n = r.unpack("I", "token count")
-    if n > n_token_capacity:
-        raise StateError(f"{path}: token count in {kind} file exceeded capacity! {n} > {n_token_capacity}")
-    tokens = np.frombuffer(bytes(r.bytes(4 * n, "tokens")), dtype="<i4").tolist()
+    try:
+        got_magic, got_version = r.unpack("II", "magic and version")
+        if got_magic != magic or got_version not in versions:
+            raise StateError(f"unknown (magic, version) for {kind} file: {got_magic:08x}, {got_version} "
+                             f"(expected {magic:08x}, {' or '.join(map(str, versions))})")
+        n = r.unpack("I", "token count")
+        if n > n_token_capacity:
+            raise StateError(f"token count in {kind} file exceeded capacity! {n} > {n_token_capacity}")
+        tokens = np.frombuffer(bytes(r.bytes(4 * n, "tokens")), dtype="<i4").tolist()
+    except StateError as err:
+        raise StateError(f"{path}: {err}") from None
     return got_version, tokens, Reader(bytes(r.data[r.pos:]), base=r.offset)
 
 
