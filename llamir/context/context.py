@@ -186,8 +186,9 @@ class Context:
 
         The batch is checked (again: its fields may have changed since it was made) before any
         cell is taken. A failure (-2, -3) puts the memory and the outputs back as they were before
-        the call; an abort (2) keeps the ubatches already computed, as llama.cpp does. Nothing but
-        a status comes back: the reason is in `last_error`."""
+        the call; an abort (2) keeps the ubatches already computed, as llama.cpp does. Pending
+        K-shifts and stream copies are applied first, as in llama.cpp, and stay applied (they
+        change no logits). Nothing but a status comes back: the reason is in `last_error`."""
         self.last_error = ""
         try:
             return self._decode(batch)

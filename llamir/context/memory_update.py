@@ -31,7 +31,7 @@ class MemoryUpdater:
                 self._copy_streams(cache)
                 changed = True
             if any(cells.has_shift for cells in cache.v_cells):
-                if not memory.get_can_shift():
+                if not cache.get_can_shift():   # each cache's own, as llama_kv_cache::update (not the iSWA's)
                     raise RuntimeError("The current KV cache / model configuration does not support K-shift")
                 self._k_shift(cache)
                 changed = True

@@ -68,7 +68,7 @@ class LlamaCppOracle:
                  n_ubatch: int | None = None, n_threads: int = 2, type_k: str = "f16",
                  type_v: str = "f16", flash_attn: bool = False, n_seq_max: int = 1,
                  kv_unified: bool = False, embeddings: bool = False, pooling: str | None = None,
-                 causal: bool | None = None):
+                 causal: bool | None = None, swa_full: bool = True):
         lib = _lib()
         self._lib = lib
         self.model_path = Path(model_path)
@@ -94,6 +94,7 @@ class LlamaCppOracle:
             cparams.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                        else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
             cparams.kv_unified = kv_unified
+            cparams.swa_full = swa_full
             cparams.no_perf = True
             cparams.embeddings = embeddings
             if pooling is not None:

@@ -278,7 +278,7 @@ def _witness_next_logits(model, tokens, nxt):
 
 def test_compute_failure_in_a_later_ubatch_rolls_back_every_ubatch_and_the_outputs(model, monkeypatch):
     ctx = _ctx(model, n_ubatch=3)
-    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:4], logits="all")) == 0
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:6], logits="all")) == 0
     logits, memory = ctx.get_logits().copy(), _memory_state(ctx)
     run, calls = ctx.runner.run, []
 
@@ -289,13 +289,14 @@ def test_compute_failure_in_a_later_ubatch_rolls_back_every_ubatch_and_the_outpu
         return run(*args)
 
     monkeypatch.setattr(ctx.runner, "run", failing_run)
-    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[4:10], pos0=None, logits="all")) == -3
-    assert "row index 9" in ctx.last_error and len(calls) == 2     # ubatch 0 had been computed
+    # 4 tokens: ubatch 0 (3 tokens) is computed and its rows written over the previous ones, ubatch 1 fails
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS[6:10], pos0=None, logits="all")) == -3
+    assert "row index 9" in ctx.last_error and len(calls) == 2
     _assert_same_memory(ctx, memory)
-    np.testing.assert_array_equal(ctx.get_logits(), logits)      # the previous batch's outputs
+    np.testing.assert_array_equal(ctx.get_logits(), logits)      # the previous batch's outputs, all 6 rows
     monkeypatch.setattr(ctx.runner, "run", run)
-    assert ctx.decode(llamir.Batch.from_tokens([TOKENS[4]], pos0=None)) == 0
-    np.testing.assert_array_equal(ctx.get_logits_ith(-1), _witness_next_logits(model, TOKENS[:4], TOKENS[4]))
+    assert ctx.decode(llamir.Batch.from_tokens([TOKENS[6]], pos0=None)) == 0
+    np.testing.assert_array_equal(ctx.get_logits_ith(-1), _witness_next_logits(model, TOKENS[:6], TOKENS[6]))
 
 
 def test_an_internal_error_is_a_status_not_an_exception_and_rolls_back(model, monkeypatch):
@@ -369,3 +370,25 @@ def test_nan_rms_eps_is_refused_at_graph_build_and_leaves_the_cache_empty(model)
     assert ctx.decode(llamir.Batch.from_tokens(TOKENS[:3])) == -3
     assert "eps" in ctx.last_error
     assert ctx.memory.seq_pos_max(0) == -1 and ctx.memory.v_cells[0].get_used() == 0
+
+
+def test_k_shift_of_an_iswa_cache_with_a_smaller_window_cache_is_llama_cpps(tmp_path):
+    """swa_full=False makes the window cache smaller than the base one; llama.cpp still shifts each
+    cache on its own (llama_kv_cache::update asks each cache, not the iSWA, whether it can), so a
+    seq_add is applied at the next decode, not refused there (-2, every decode after) as it was."""
+    from llamir.testing.llama_cpp import LlamaCppOracle, oracle_numerics
+
+    path = write_model(tmp_path / "g3.gguf", SynthSpec(arch="gemma3", n_layer=2, n_embd=64, n_head=2, n_head_kv=1,
+                                                         n_ff=64, sliding_window=8, swa_pattern=2))
+    ctx = _ctx(llamir.load_model(path), n_ctx=512, swa_full=False, backend="numpy", numerics=oracle_numerics())
+    assert ctx.memory.swa.kv_size < ctx.memory.base.kv_size
+    tokens = list(range(5, 45))
+    with LlamaCppOracle(path, n_ctx=512, n_batch=64, swa_full=False) as oracle:
+        assert oracle.decode(tokens, pos0=0) == 0
+        assert ctx.decode(llamir.Batch.from_tokens(tokens)) == 0
+        for memory in (oracle, ctx.memory):
+            memory.seq_rm(0, 4, 14)
+            memory.seq_add(0, 14, -1, -10)
+        assert oracle.decode([7], pos0=30) == 0
+        assert ctx.decode(llamir.Batch.from_tokens([7], pos0=30)) == 0, ctx.last_error
+        np.testing.assert_array_equal(ctx.get_logits_ith(-1), oracle.logits_ith(0))
