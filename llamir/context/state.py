@@ -128,8 +128,8 @@ def write_file(path, magic: int, version: int, tokens, body: bytes) -> int:
     path = _path(path)
     try:
         path.write_bytes(data)
-    except OSError as err:
-        raise StateError(f"cannot write {path}: {err.strerror or err}") from None
+    except (OSError, ValueError) as err:      # ValueError: a NUL byte in the path
+        raise StateError(f"cannot write {path}: {getattr(err, 'strerror', None) or err}") from None
     return len(data)
 
 
@@ -137,11 +137,13 @@ def read_file(path, magic: int, versions: tuple[int, ...], n_token_capacity,
               kind: str) -> tuple[int, list[int], Reader]:
     """The header of a `kind` file: (its version, its tokens, a reader of the body after them)."""
     n_token_capacity = _integer(n_token_capacity, "n_token_capacity")
+    if n_token_capacity < 0:
+        raise StateError(f"n_token_capacity {n_token_capacity} must be non-negative")
     path = _path(path)
     try:
         data = path.read_bytes()
-    except OSError as err:
-        raise StateError(f"cannot read {path}: {err.strerror or err}") from None
+    except (OSError, ValueError) as err:      # ValueError: a NUL byte in the path
+        raise StateError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
     r = Reader(data)
     try:
         got_magic, got_version = r.unpack("II", "magic and version")
