@@ -425,3 +425,42 @@ def test_sequence_without_room_in_the_swa_cache_changes_neither_cache(models, tm
         ours.state_seq_set_data(blob, 0)
     assert snapshot(ours) == snapshot(witness)
     np.testing.assert_array_equal(_next_logits(ours, 0), _next_logits(witness, 0))   # takes the last free cell
+
+
+def test_sequence_state_without_cells_empties_the_destination(models):
+    """A choice, not llama.cpp's behaviour: llama.cpp skips a stream with no cells before its
+    seq_rm, so loading an empty sequence leaves what dest_seq_id held; llamir empties it, as a
+    restore of that (empty) sequence should."""
+    path = models["llama"]
+    empty = _ctx(path).state_seq_get_data(0)
+    assert empty == struct.pack("<IiIII", 0xAF143CD8, 0, 2, 0, 0)
+    ours = _victim(path)
+    assert ours.state_seq_set_data(empty, 1) == len(empty)
+    assert (ours.memory.seq_pos_max(0), ours.memory.seq_pos_max(1)) == (len(BASE) - 1, -1)
+    with _oracle(path) as o:
+        assert o.decode(BASE, seq_id=0) == 0 and o.decode(HELD, seq_id=1) == 0
+        assert o.state_seq_set_data(empty, 1) == len(empty)
+        assert o.seq_pos_max(1) == len(HELD) - 1
+        o.seq_rm(1)                      # then the two engines hold the same
+        if ours.backend.interp.numerics == oracle_numerics():
+            assert ours.state_get_data() == o.state_get_data()
+
+
+def test_memory_state_read_and_write(models):
+    """The Memory interface's state_write/state_read (the memory part alone, no arch)."""
+    from llamir.context.state_io import Reader, Writer
+
+    path = models["gemma3"]
+    src, dst = _source(path), _victim(path)
+    w = Writer()
+    src.memory.state_write(w, 0)
+    part = w.getvalue()
+    assert part == src.state_seq_get_data(0)[8:]
+    for bad in (-2, 2, 256, "0"):
+        with pytest.raises(StateError, match="is neither -1"):
+            dst.memory.state_read(Reader(part), bad)
+    with pytest.raises(StateError, match="truncated state"):
+        dst.memory.state_read(Reader(part[:-1]), 1)
+    assert dst.state_get_data() == _victim(path).state_get_data()
+    dst.memory.state_read(Reader(part), 1)
+    assert (dst.memory.seq_pos_max(0), dst.memory.seq_pos_max(1)) == (len(BASE) - 1, len(SOURCE) - 1)
