@@ -47,6 +47,9 @@ class Gguf:
     n_tensors: int | None = None
     pad_byte: bytes = field(default=b"\0")
 
+    def __repr__(self) -> str:   # short: hypothesis prints the arguments of a failing case
+        return f"<Gguf v{self.version}: {len(self.kvs)} keys, {len(self.tensors)} tensors, {len(self.blob)} data bytes>"
+
     def kv(self, key: str) -> KV:
         return next(kv for kv in self.kvs if kv.key == key.encode())
 

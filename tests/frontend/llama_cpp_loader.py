@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -50,8 +51,9 @@ class LlamaCppLoad:
 
 def llama_cpp_load(path: str | Path, *, decode: bool = False, vocab_only: bool = False) -> LlamaCppLoad:
     """Load `path` with llama.cpp in a fresh process (and decode 3 tokens when `decode`)."""
+    env = os.environ | {"GGML_NO_BACKTRACE": "1"}   # an abort would otherwise attach gdb, slowly
     run = subprocess.run([sys.executable, "-c", _CHILD, str(path), "1" if vocab_only else "0",
-                          "1" if decode else "0"], capture_output=True, text=True, timeout=300)
+                          "1" if decode else "0"], capture_output=True, text=True, timeout=300, env=env)
     lines = run.stdout.splitlines()
     status = next((line for line in lines if line.startswith(("LOADED", "REFUSED"))), None)
     if status is None:

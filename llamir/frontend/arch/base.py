@@ -42,6 +42,7 @@ class Architecture(ABC):
     def load_hparams(self, f, hp: HParams) -> None:
         """Arch-specific keys and checks (load_arch_hparams); the default needs an rms eps."""
         require_rms_eps(f, hp)
+        require_rope_dims(f, hp)
 
     @abstractmethod
     def tensor_specs(self, hp: HParams) -> list[TensorSpec]:
@@ -102,5 +103,13 @@ def require_rms_eps(f, hp: HParams) -> None:
 
 FUSED_QKV = ("blk.{il}.attn_qkv.weight", "blk.{il}.attn_qkv.bias")
 
+def require_rope_dims(f, hp: HParams) -> None:
+    """ggml's rope asserts an even n_dims within the head size (llama.cpp loads such a file, then
+    aborts at its first decode); llamir's rope_ext also needs at least one rotated pair."""
+    if not (hp.n_rot % 2 == 0 and 0 < hp.n_rot <= hp.n_embd_head_k):
+        raise ArchError(f"{f.path}: {hp.arch}.rope.dimension_count = {hp.n_rot}: rope needs an even count in "
+                        f"(0, {hp.n_embd_head_k}], the head size (llama.cpp aborts at its first decode)")
+
+
 __all__ = ["ARCHS", "FUSED_QKV", "ROPE_NEOX", "ROPE_NORM", "ArchError", "Architecture", "TensorSpec", "decoder_specs",
-           "register_arch", "require_rms_eps"]
+           "register_arch", "require_rms_eps", "require_rope_dims"]
