@@ -43,7 +43,22 @@ def _load(arg: str | None):
         raise CliError(str(err)) from None
 
 
+def _check_runtime(args) -> None:
+    """Sizes and counts a run/chat/logits command cannot work with, refused before loading anything."""
+    for flag, name, low in (("--n-ctx", "n_ctx", 0), ("--n-batch", "n_batch", 1), ("--n-ubatch", "n_ubatch", 1),
+                            ("--threads", "threads", 0), ("-n", "n_predict", 0), ("--n-parallel", "n_parallel", 1)):
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise CliError(f"{flag} must be >= {low}, got {value}")
+    if getattr(args, "n_parallel", 1) > 256:
+        raise CliError(f"--n-parallel must be <= 256 (llama.cpp's LLAMA_MAX_SEQ), got {args.n_parallel}")
+    seed = getattr(args, "seed", None)
+    if seed is not None and not -1 <= seed < 2**32:
+        raise CliError(f"--seed must be in [0, 2^32) or -1 (random), got {seed}")
+
+
 def _context(model, args, **overrides):
+    from llamir.backends import BackendError
     from llamir.context import Context, ContextParamsError
 
     params = dict(n_ctx=getattr(args, "n_ctx", 2048), n_batch=getattr(args, "n_batch", 2048),
@@ -52,7 +67,7 @@ def _context(model, args, **overrides):
     params.update(overrides)
     try:
         return Context(model, backend=args.backend, numerics=args.numerics, **params)
-    except (ContextParamsError, ValueError) as err:
+    except (ContextParamsError, ValueError, BackendError) as err:
         raise CliError(str(err)) from None
 
 
@@ -71,6 +86,8 @@ def _generate(ctx, model, prompt_tokens: list[int], n_predict: int, sampler, out
     from llamir.context import Batch
 
     vocab = model.vocab
+    if not prompt_tokens and ctx.memory.seq_pos_max(0) < 0:
+        raise CliError("the prompt is empty: it gives no tokens to start from")
     if ctx.memory.seq_pos_max(0) + 1 + len(prompt_tokens) > ctx.n_ctx:
         raise CliError(f"the prompt ({len(prompt_tokens)} tokens) does not fit in n_ctx = {ctx.n_ctx}")
     for start in range(0, len(prompt_tokens), ctx.n_batch):
@@ -148,12 +165,14 @@ def _complete_utf8(data: bytes) -> tuple[str, bytes]:
 def _sampler(args):
     from llamir.context.sampling import Sampler, SamplerParams
 
-    return Sampler(SamplerParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    seed = None if args.seed == -1 else args.seed          # -1: a random seed, as llama.cpp's default
+    return Sampler(SamplerParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=seed))
 
 
 def cmd_run(args) -> int:
+    _check_runtime(args)
     model = _load(args.model)
-    n_parallel = max(1, args.n_parallel)
+    n_parallel = args.n_parallel
     ctx = _context(model, args, n_seq_max=n_parallel, kv_unified=n_parallel > 1, no_perf=not args.perf)
     tokens = model.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
     if n_parallel == 1:
@@ -218,6 +237,7 @@ def _raise_template_error(message: str):
 def cmd_chat(args) -> int:
     import jinja2.sandbox  # noqa: F401  (fail early if jinja2 is missing)
 
+    _check_runtime(args)
     model = _load(args.model)
     ctx = _context(model, args)
     sampler = _sampler(args)
@@ -274,13 +294,17 @@ def _parse_tokens(text: str, n_vocab: int) -> list[int]:
 def cmd_logits(args) -> int:
     from llamir.context import Batch
 
+    _check_runtime(args)
     model = _load(args.model)
     tokens = _parse_tokens(args.tokens, model.hparams.n_vocab)
     n = len(tokens)
     ctx = _context(model, args, n_ctx=max(args.n_ctx, n), n_batch=max(args.n_batch, n))
     _decode(ctx, Batch.from_tokens(tokens, logits="all"))
     logits = np.ascontiguousarray(ctx.get_logits(), dtype=np.float32)
-    np.save(args.out, logits)
+    try:
+        np.save(args.out, logits)
+    except OSError as err:
+        raise CliError(f"cannot write {args.out}: {err.strerror or err}") from None
     print(f"wrote {args.out}: float32 {list(logits.shape)}", file=sys.stderr)
     return 0
 

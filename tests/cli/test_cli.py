@@ -41,6 +41,22 @@ def test_logits_rejects_bad_tokens(model_path, tmp_path, capsys):
     assert "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,message", [
+    (["run", "-p", "Hi", "-n", "-3"], "-n must be >= 0, got -3"),
+    (["run", "-p", "Hi", "--n-parallel", "0"], "--n-parallel must be >= 1, got 0"),
+    (["run", "-p", "Hi", "--n-parallel", "300"], "--n-parallel must be <= 256"),
+    (["run", "-p", "Hi", "--seed", "-2"], "--seed must be in [0, 2^32) or -1"),
+    (["run", "-p", "Hi", "--n-ubatch", "0"], "--n-ubatch must be >= 1, got 0"),
+    (["run", "-p", "Hi", "--backend", "nope"], "unknown backend 'nope'"),
+    (["run", "-p", ""], "the prompt is empty"),
+    (["logits", "--tokens", "1,2", "--out", "/nonexistent/dir/x.npy"], "cannot write /nonexistent/dir/x.npy"),
+])
+def test_run_and_logits_refuse_bad_arguments_in_one_line(model_path, capsys, args, message):
+    """Issue 9: arguments a decode path cannot use are one-line errors (exit 1), not tracebacks."""
+    assert main([args[0], str(model_path), *args[1:]]) == 1
+    assert message in capsys.readouterr().err
+
+
 def test_graph_prints_parseable_ir(model_path, capsys):
     assert main(["graph", str(model_path)]) == 0
     text = capsys.readouterr().out

@@ -21,7 +21,7 @@ import llamir
 from llamir.testing.batch_fuzz import CONFIGS, CORRUPTIONS, FAULTS, BatchFuzzer, random_program, write_config_model
 
 EXAMPLES = {"unified": 40, "streams": 30, "iswa": 10}
-SEEDED = {"unified": 250, "streams": 200, "iswa": 60}    # programs from random_program, fixed seeds
+SEEDED = {"unified": 200, "streams": 160, "iswa": 50}    # programs from random_program, fixed seeds
 
 
 @pytest.fixture(scope="module")
