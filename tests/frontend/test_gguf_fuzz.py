@@ -11,10 +11,14 @@ fuzz/fuzz_gguf.py runs the same property coverage-guided (atheris) for as long a
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import math
+import random
 import struct
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 from gguf_craft import ARRAY, BOOL, F32, F64, KV, SCALAR_FMT, STRING, U8, U32, Gguf, TensorInfo, parse, string
@@ -244,3 +248,19 @@ def test_the_seeds_load_and_decode(seeds, case_path):
     for data in seeds.values():
         case_path.write_bytes(data)
         assert check_loads_or_refuses(case_path) == "loaded"
+
+
+def test_the_atheris_fuzzers_property_and_record_mutator_run_here(tmp_path):
+    """fuzz/fuzz_gguf.py's seeds, property and record-level mutator (atheris is needed only to fuzz)."""
+    spec = importlib.util.spec_from_file_location("fuzz_gguf", Path(__file__).parents[2] / "fuzz" / "fuzz_gguf.py")
+    fuzz_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz_gguf)
+    assert fuzz_gguf.seed_corpus(tmp_path) == len(fuzz_gguf.SEED_SPECS)
+    seeds = sorted(tmp_path.iterdir())
+    assert fuzz_gguf.replay([str(p) for p in seeds]) == 0
+    rng = random.Random(0)
+    outcomes = collections.Counter()
+    for _ in range(200):
+        data = fuzz_gguf.mutate_records(rng.choice(seeds).read_bytes(), rng)
+        outcomes[fuzz_gguf.check(data).partition(":")[0]] += 1
+    assert outcomes["refused"] > 0 and outcomes["loaded"] > 0, outcomes
