@@ -181,10 +181,9 @@ class Metadata(Mapping[str, Any]):
         if len(values) > LLAMA_MAX_LAYERS:
             raise MetadataError(f"{self.source}: array length {len(values)} for key {key} exceeds max "
                                 f"{LLAMA_MAX_LAYERS}")
-        item = self.type_of(key).item if self.type_of(key) is not None else None
-        if item == GGUFType.BOOL:
+        if self.value_type(key).item == GGUFType.BOOL:
             return tuple(int(bool(v)) for v in values)
-        if item is None:   # plain Python values: the same range rules as stored ones
+        if self.type_of(key) is None:   # plain Python values: the same range rules as stored ones
             for i, v in enumerate(values):
                 self._check_python(f"{key}[{i}]", v, GGUFType.UINT32)
         return tuple(int(v) for v in np.asarray(values).astype(np.int64).astype(np.uint32))

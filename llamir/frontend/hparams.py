@@ -132,20 +132,8 @@ def load_hparams(f: GGUFFile, arch: str) -> HParams:
     rope_attn_factor = meta.get_f32(key("rope.scaling.attn_factor"), 1.0)
     meta.get_f32(key("rope.scaling.alpha"))
 
-    head_k = head_v = n_rot = 0
-    if n_head_arr[0] > 0:
-        head_k = meta.get_u32(key("attention.key_length"), n_embd // n_head_arr[0])
-        head_v = meta.get_u32(key("attention.value_length"), n_embd // n_head_arr[0])
-        n_rot = meta.get_u32(key("rope.dimension_count"), head_k)
-    for name in ("attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
-        meta.get_u32(key(name))
+    head_k, head_v, n_rot = _load_head_sizes(f, arch, n_embd, n_head_arr, n_head_kv_arr)
     meta.get_arr(key("classifier.output_labels"), (GGUFType.STRING,), non_array_missing=True)
-
-    for il, (h, hkv) in enumerate(zip(n_head_arr, n_head_kv_arr, strict=True)):
-        # ggml's mul_mat broadcasts KV heads over query heads only by whole multiples (llama.cpp
-        # loads such a file and aborts when it builds the attention)
-        _require(f, (h == 0 and hkv == 0) or (hkv > 0 and h % hkv == 0),
-                 f"layer {il}: n_head {h} is not a multiple of n_head_kv {hkv}")
     n_layer = n_layer_all - n_layer_nextn
     return HParams(
         arch=arch, n_vocab=0, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer,
@@ -159,6 +147,25 @@ def load_hparams(f: GGUFFile, arch: str) -> HParams:
         pooling_type=POOLING_TYPES.get(pooling, "unspecified"), n_expert=n_expert,
         n_expert_used=max(n_expert_used[:n_layer], default=0),
     )
+
+
+def _load_head_sizes(f: GGUFFile, arch: str, n_embd: int, n_head_arr: tuple[int, ...],
+                     n_head_kv_arr: tuple[int, ...]) -> tuple[int, int, int]:
+    """The key/value head sizes and n_rot (read only when there are heads, as llama.cpp does)."""
+    meta = f.metadata
+    head_k = head_v = n_rot = 0
+    if n_head_arr[0] > 0:
+        head_k = meta.get_u32(f"{arch}.attention.key_length", n_embd // n_head_arr[0])
+        head_v = meta.get_u32(f"{arch}.attention.value_length", n_embd // n_head_arr[0])
+        n_rot = meta.get_u32(f"{arch}.rope.dimension_count", head_k)
+    for name in ("attention.key_length_swa", "attention.value_length_swa", "rope.dimension_count_swa"):
+        meta.get_u32(f"{arch}.{name}")
+    for il, (h, hkv) in enumerate(zip(n_head_arr, n_head_kv_arr, strict=True)):
+        # ggml's mul_mat broadcasts KV heads over query heads only by whole multiples (llama.cpp
+        # loads such a file and aborts when it builds the attention)
+        _require(f, (h == 0 and hkv == 0) or (hkv > 0 and h % hkv == 0),
+                 f"layer {il}: n_head {h} is not a multiple of n_head_kv {hkv}")
+    return head_k, head_v, n_rot
 
 
 def _load_experts(f: GGUFFile, arch: str, n_layer: int) -> tuple[int, tuple[int, ...]]:

@@ -40,7 +40,7 @@ class Model:
 
     @property
     def name(self) -> str:
-        return str(self.gguf.get("general.name", self.path.stem))
+        return self.gguf.metadata.get_str("general.name", self.path.stem)
 
     @property
     def n_params(self) -> int:
