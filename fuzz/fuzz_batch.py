@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 import tempfile
@@ -101,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ops", type=int, default=8, dest="max_ops", help="operations per case, at most")
     p.add_argument("--crashes", type=Path, default=DEFAULT_CRASHES, help="where failing programs are kept")
     p.add_argument("--replay", nargs="+", default=None, metavar="FILE", help="rerun kept programs")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llamir's log (every refused decode)")
     args = p.parse_args(argv)
+    if not args.verbose:   # each refused decode logs an error, each injected internal error a traceback
+        logging.getLogger("llamir").setLevel(logging.CRITICAL)
     if args.replay:
         return replay(args.replay, args.backend)
     names = [n for n in args.configs.split(",") if n]

@@ -101,8 +101,14 @@ class BatchFuzzer:
         self.counts = {"accepted": 0, "refused": 0, "faults fired": 0}
 
     def reset(self) -> None:
+        """Both contexts as new (their compiled graphs kept): a program replays on its own."""
+        from llamir.context.outputs import Outputs
+
+        hp = self.model.hparams
         for ctx in (self.subject, self.witness):
             ctx.memory.clear(True)
+            cp = ctx.cparams
+            ctx.outputs = Outputs(hp.n_vocab, hp.n_embd, cp.n_batch, cp.n_seq_max, has_embd=cp.embeddings)
             ctx.abort_callback = None
 
     def run(self, program: list) -> None:
