@@ -274,9 +274,13 @@ def _roundf(v: np.ndarray) -> np.ndarray:
     return np.copysign(np.floor(np.abs(v) + 0.5), v)
 
 
-def _signed_absmax(x: np.ndarray) -> np.ndarray:
-    """The first element of largest magnitude, sign kept, [nb, 1] (ggml's `amax < fabsf(v)` scan)."""
-    return np.take_along_axis(x, np.abs(x).argmax(axis=-1, keepdims=True), axis=-1)
+def signed_absmax(x: np.ndarray) -> np.ndarray:
+    """The first element of largest magnitude, sign kept, [nb, 1] (ggml's `amax < fabsf(v)` scan
+    from amax = max = 0: NaNs never win, a row of zeros or NaNs gives 0)."""
+    ax = np.abs(x)
+    ax = np.where(np.isnan(ax), _F32(-1), ax)
+    at = ax.argmax(axis=-1, keepdims=True)
+    return np.where(np.take_along_axis(ax, at, axis=-1) > 0, np.take_along_axis(x, at, axis=-1), _F32(0))
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
@@ -297,7 +301,7 @@ def _pack_high_bits(q: np.ndarray) -> np.ndarray:
 
 def _q_sym(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """Q4_0/Q5_0: d = max/-nmax, q = min(2*nmax-1, (int8)(x*id + nmax + 0.5))."""
-    d = _signed_absmax(x) / _F32(-nmax)
+    d = signed_absmax(x) / _F32(-nmax)
     q = np.trunc(x * _inverse(d) + _F32(nmax + 0.5)).astype(np.int32)
     return d, np.minimum(2 * nmax - 1, q)
 
@@ -336,32 +340,59 @@ def _q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d, _roundf(x * _inverse(d)).astype(np.int8)
 
 
-def _q8_x86(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ggml-cpu's AVX quantize_row_q8_{0,1}: id = 127/amax (not 1/d), round half to even."""
-    amax = np.abs(x).max(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
+def _maxps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """x86 maxps: a > b ? a : b, so a NaN in either operand gives b."""
+    return np.where(a > b, a, b)
+
+
+def _x86_block_amax(ax: np.ndarray) -> np.ndarray:
+    """max |x| of 32-value blocks [..., 32] as quantize_row_q8_0/1's AVX code takes it: four 8-lane
+    vectors folded with maxps, then the 128-bit halves, pairs and the last two (NaNs survive only
+    where they are maxps's second operand). [..., 1]."""
+    m = ax[..., 0:8]
+    for q in (1, 2, 3):
+        m = _maxps(m, ax[..., 8 * q:8 * q + 8])
+    m = _maxps(m[..., 4:8], m[..., 0:4])
+    m = _maxps(m[..., 0:2], m[..., 2:4])
+    return _maxps(m[..., 0:1], m[..., 1:2])
+
+
+def _q8_x86(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml-cpu's AVX quantize_row_q8_{0,1}: id = 127/amax (not 1/d), round half to even. Returns
+    (d, q, the int32 sum of the converted values q8_1 stores in s). A NaN product converts to
+    the integer indefinite (-2^31): it packs to -128 and enters the wrapping int32 sum as it is."""
+    amax = _x86_block_amax(np.abs(x))
+    with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(amax != 0, _F32(127) / amax, _F32(0)).astype(_F32)
-    q = np.clip(np.rint(x * inv), -128, 127).astype(np.int8)  # packs saturate
-    return amax / _F32(127), q
+        scaled = x * inv
+        finite = np.isfinite(scaled)
+        q32 = np.where(finite, np.rint(np.where(finite, scaled, 0)), -(2**31)).astype(np.int64)
+    isum = (q32.sum(axis=-1, keepdims=True) + 2**31) % 2**32 - 2**31      # _mm256_add_epi32 wraps
+    return amax / _F32(127), np.clip(q32, -128, 127).astype(np.int8), isum   # packs saturate
 
 
-def _q8_0_bytes(d: np.ndarray, q: np.ndarray) -> np.ndarray:
+def _q8_0_bytes(d: np.ndarray, q: np.ndarray, isum: np.ndarray | None = None) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), q.view(np.uint8)], axis=-1)
 
 
-def _q8_1_bytes(d: np.ndarray, q: np.ndarray) -> np.ndarray:
-    s = q.astype(np.int32).sum(axis=-1, keepdims=True).astype(_F32) * d  # fp16(float(sum) * d)
+def _q8_1_bytes(d: np.ndarray, q: np.ndarray, isum: np.ndarray | None = None) -> np.ndarray:
+    if isum is None:
+        isum = q.astype(np.int32).sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = isum.astype(_F32) * d  # fp16(d * (float) sum)
     return np.concatenate([_f16_bytes(d), _f16_bytes(s), q.view(np.uint8)], axis=-1)
 
 
 def _q_q8_k(x: np.ndarray) -> np.ndarray:
     """quantize_row_q8_K_ref: iscale = -127/max (signed), nearest_int (half to even), d = 1/iscale."""
-    mx = _signed_absmax(x)
+    mx = signed_absmax(x)
     zero = mx == 0
     with np.errstate(divide="ignore"):
         iscale = np.where(zero, _F32(0), _F32(-127) / np.where(zero, _F32(1), mx)).astype(_F32)
         d = np.where(zero, _F32(0), _F32(1) / np.where(zero, _F32(1), iscale)).astype(_F32)
-    q = np.minimum(127, np.rint(iscale * x)).astype(np.int8)
+    with np.errstate(invalid="ignore"):   # nearest_int(NaN) is 0
+        scaled = iscale * x
+        q = np.minimum(127, np.rint(np.where(np.isnan(scaled), _F32(0), scaled))).astype(np.int8)
     bsums = q.reshape(-1, 16, 16).astype(np.int16).sum(axis=-1, dtype=np.int16)
     return np.concatenate([d.astype("<f4").view(np.uint8), q.view(np.uint8),
                            bsums.astype("<i2").view(np.uint8)], axis=-1)
@@ -417,7 +448,7 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
 def _make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """ggml's make_qx_quants with rmse_type=1 and no weights on rows x [G, n]: (scale, L in [0, 2*nmax))."""
     f = _F32
-    mx = _signed_absmax(x)[:, 0]
+    mx = signed_absmax(x)[:, 0]
     zero = np.abs(mx) < f(1e-15)
     mx = np.where(zero, f(1), mx)
     w = x * x
@@ -523,7 +554,7 @@ def _make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     sumlx^2/suml2; each sweep visits the elements in order, so the loop runs over elements
     with all rows at once, and a row stops after a sweep that changed nothing."""
     f = _F32
-    mx = _signed_absmax(x)
+    mx = signed_absmax(x)
     zero = np.abs(mx[:, 0]) < f(1e-15)
     with np.errstate(divide="ignore", invalid="ignore"):
         iscale = f(-nmax) / np.where(zero[:, None], f(1), mx)
@@ -560,7 +591,7 @@ def _q_q3_k(x: np.ndarray) -> np.ndarray:
     xs = x.reshape(nb * 16, 16)
     scales, q = _make_q3_quants(xs, 4)
     scales = scales.reshape(nb, 16)
-    max_scale = _signed_absmax(scales)
+    max_scale = signed_absmax(scales)
     some = max_scale != 0
     with np.errstate(divide="ignore"):
         iscale = np.where(some, f(-32) / np.where(some, max_scale, f(1)), f(0))
@@ -583,7 +614,7 @@ def _q_q6_k(x: np.ndarray) -> np.ndarray:
     xs = x.reshape(nb * 16, 16)
     scales, q = _make_qx_quants(xs, 32)
     scales = scales.reshape(nb, 16)
-    max_scale = _signed_absmax(scales)
+    max_scale = signed_absmax(scales)
     zero = np.abs(max_scale) < f(1e-15)
     iscale = f(-128) / np.where(zero, f(1), max_scale)
     d = np.where(zero, f(0), f(1) / iscale)

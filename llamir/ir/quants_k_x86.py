@@ -152,14 +152,16 @@ def quantize_q8_k(x: np.ndarray, positive_ties: bool = False) -> Q8K:
     if k % QK_K:
         raise ValueError(f"Q8_K activations need rows of whole {QK_K}-value super-blocks, got K = {k}")
     blocks = x.reshape(n, k // QK_K, QK_K)
-    mx = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    mx = quants.signed_absmax(blocks)[..., 0]
     if positive_ties:
         mx = np.where((blocks == np.abs(mx)[..., None]).any(axis=-1), np.abs(mx), mx)
     zero = mx == 0
     with np.errstate(divide="ignore"):
         iscale = np.where(zero, f32(0), f32(-127) / np.where(zero, f32(1), mx)).astype(f32)
         d = np.where(zero, f32(0), f32(1) / np.where(zero, f32(1), iscale)).astype(f32)
-    q = np.clip(np.rint(iscale[..., None] * blocks), -128, 127).astype(np.int32)
+    with np.errstate(invalid="ignore"):   # nearest_int(NaN) is 0
+        scaled = iscale[..., None] * blocks
+        q = np.clip(np.rint(np.where(np.isnan(scaled), f32(0), scaled)), -128, 127).astype(np.int32)
     return Q8K(q, d)
 
 

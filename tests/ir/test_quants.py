@@ -557,3 +557,17 @@ def test_mul_mat_matches_libggml_vec_dot(rng, libggml, dtype):
     b_seen = quants.activation_roundtrip(b, dtype)
     scale = np.abs(b_seen) @ np.abs(a_deq).T
     assert np.all(np.abs(quants.mul_mat_ggml(a, dtype, b) - expected) <= 2e-6 * scale + 1e-30)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("dtype", [Q8_0, Q8_1, Q8_K], ids=str)
+def test_activation_quantizers_treat_nan_and_inf_as_ggml(rng, libggml, dtype):
+    """x86 from_float with NaN/inf in a block: quantize_row_q8_0/1 fold |x| with maxps (a NaN
+    survives only as maxps's second operand), a NaN product packs to -128 and enters q8_1's int32
+    sum as -2^31; quantize_row_q8_K_ref's scan skips NaNs and nearest_int(NaN) is 0."""
+    x = test_data(rng, 48, 512)
+    for r in range(48):
+        x[r, rng.integers(0, 512, 1 + r % 4)] = (np.nan, np.inf, -np.inf, np.nan)[r % 4]
+    x[0, :256] = np.nan                                    # a block (and a super-block) of NaNs only
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(quants.cpu_from_float(x, dtype), libggml.from_float(x, dtype, cpu=True))

@@ -126,3 +126,24 @@ def test_mul_mat_id_experts(rng, kind, name):
               "ids": rng.integers(0, n_expert, (n_tokens, 2)).astype(np.int32)}
     want = run_graph(g.graph, values, numerics="avx512")["y"]
     assert_same(backend("avx512", False).compile(g.graph)(values, {})["y"], want, f"{name} experts ({kind})")
+
+
+@pytest.mark.parametrize("profile", ["avx512", "avx2"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_1", "q5_0", "q4_k", "q6_k"])
+def test_nan_and_inf_activations(rng, profile, name):
+    """The activation quantizers treat NaN/inf as the reference does (x86 maxps order for q8_0/q8_1's
+    amax, -128 and the integer indefinite in q8_1's sum, q8_K's nearest_int(NaN) = 0): same bits,
+    NaN positions included, for vec_dot and tiled row counts."""
+    dtype = dtype_named(name)
+    g = GraphBuilder("q", dims=["T"])
+    g.output("y", g.mul_mat(g.weight("w", [40, 512], dtype), g.input("x", ["T", 512], F32)))
+    w = weight(rng, name, 40, 512)
+    run = backend(profile, False).compile(g.graph)
+    for n in (1, 3, 9):
+        x = rows(rng, n, 512)
+        for r in range(n):
+            x[r, rng.integers(0, 512, 1 + r % 3)] = (np.nan, np.inf, -np.inf)[r % 3]
+        want = run_graph(g.graph, {"w": w, "x": x}, {"T": n}, numerics=profile)["y"]
+        got = run({"w": w, "x": x}, {"T": n})["y"]
+        canon = np.float32(np.nan)
+        assert_same(np.where(np.isnan(got), canon, got), np.where(np.isnan(want), canon, want), f"{name} N={n}")

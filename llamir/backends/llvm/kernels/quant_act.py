@@ -34,6 +34,22 @@ def _n_corr(fmt: QFormat) -> int:
     return fmt.chunks if fmt.corr == "chunk" else (1 if fmt.corr == "block" else 0)
 
 
+def _block_amax(em: Emitter, abs_at) -> ir.Value:
+    """max |x| of a 32-value block as quantize_row_q8_0/1's AVX code folds it: four 8-lane vectors
+    with maxps (a > b ? a : b, so a NaN survives only as the second operand), then the halves, the
+    pairs and the last two; abs_at(i) gives |x[i]|."""
+    b = em.b
+
+    def maxps(x, y):
+        return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+    lanes = [abs_at(i) for i in range(8)]
+    for q in (1, 2, 3):
+        lanes = [maxps(m, abs_at(8 * q + i)) for i, m in enumerate(lanes)]
+    four = [maxps(lanes[4 + i], lanes[i]) for i in range(4)]
+    return maxps(maxps(four[0], four[2]), maxps(four[1], four[3]))
+
+
 class QuantAct(Kernel):
     """Quantize rows of b [.., N, K] (any float type, any row strides) for format `fmt`."""
 
@@ -72,20 +88,18 @@ class QuantAct(Kernel):
         b = em.b
         with em.loop(0, self.K // 32, name="blk") as k:
             base = em.mul(k, 32)
-            amax = em.var(F32, em.f32(0.0))
-            with em.loop(0, 32, name="amax") as j:
-                ax = em.intrinsic("llvm.fabs.f32", F32, [x_at(em.add(base, j))])
-                em.set(amax, em.fmax(ax, em.get(amax)))
-            am = em.get(amax)
+            am = _block_amax(em, lambda i: em.intrinsic("llvm.fabs.f32", F32, [x_at(em.add(base, i))]))
             d = b.fdiv(am, em.f32(127.0))
-            inv = b.select(b.fcmp_ordered("!=", am, em.f32(0.0)), b.fdiv(em.f32(127.0), am), em.f32(0.0))
+            # `max_scalar != 0.0f`: unordered-or-not-equal, so a NaN amax gives a NaN id
+            inv = b.select(b.fcmp_unordered("!=", am, em.f32(0.0)), b.fdiv(em.f32(127.0), am), em.f32(0.0))
             total = em.var(I32, ir.Constant(I32, 0))
             with em.loop(0, 32, name="q") as j:
                 v = em.intrinsic("llvm.roundeven.f32", F32, [b.fmul(x_at(em.add(base, j)), inv)])
-                v = em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0))
-                q = b.fptosi(v, I32)
+                nan = b.fcmp_unordered("uno", v, v)          # cvtps2dq's integer indefinite
+                q32 = b.select(nan, ir.Constant(I32, -(2**31)), b.fptosi(b.select(nan, em.f32(0.0), v), I32))
+                q = b.fptosi(em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0)), I32)   # packs saturate
                 em.store(b.trunc(q, I8), dst, em.add(base, j))
-                em.set(total, b.add(em.get(total), q))
+                em.set(total, b.add(em.get(total), q32))
             em.store(b.fpext(b.fptrunc(d, F16), F32), dst, em.add(off_d, em.mul(k, 4)))
             if self.fmt.vdt == "q8_1":
                 s = b.fmul(b.sitofp(em.get(total), F32), d)
@@ -128,6 +142,7 @@ class QuantAct(Kernel):
                 total = em.var(I32, ir.Constant(I32, 0))
                 with em.loop(0, bs, name="q") as j:
                     v = em.intrinsic("llvm.roundeven.f32", F32, [b.fmul(iscale, x_at(em.add(sub, j)))])
+                    v = b.select(b.fcmp_unordered("uno", v, v), em.f32(0.0), v)   # nearest_int(NaN) is 0
                     v = em.fmin(em.fmax(v, em.f32(-128.0)), em.f32(127.0))
                     q = b.fptosi(v, I32)
                     em.store(b.trunc(q, I8), dst, em.add(sub, j))
@@ -272,6 +287,7 @@ class QuantActK(Kernel):
         for u in range(16):
             xv = b.insert_element(xv, x_at(em.add(start, u)), ir.Constant(I32, u))
         v = em.intrinsic("llvm.roundeven.v16f32", v16f, [b.fmul(em.splat(iscale, 16), xv)])
+        v = b.select(b.fcmp_unordered("uno", v, v), ir.Constant(v16f, [0.0] * 16), v)   # nearest_int(NaN) is 0
         q = b.fptosi(em.fmin(em.fmax(v, ir.Constant(v16f, [-128.0] * 16)), ir.Constant(v16f, [127.0] * 16)), v16i)
         em.store(b.trunc(q, vec(I8, 16)), dst, start)
         pairs = b.add(em.shuffle(q, None, range(0, 16, 2)), em.shuffle(q, None, range(1, 16, 2)))   # [8]
