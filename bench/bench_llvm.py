@@ -1,6 +1,6 @@
 """llamir's LLVM backend against llama.cpp on the same GGUF files, in one run.
 
-    python bench/bench_llvm.py [--threads 2] [--models small-f32,big-q4_0,...] [--json out.json]
+    python bench/bench_llvm.py [--threads 2] [--models small-f32,big-q4_0,...] [--isa host|avx2] [--json out.json]
 
 Models: a ~5M and a ~110M random-weight llama (12 layers, n_embd 768, vocab 32000) in f32, f16,
 q8_0, q4_0, q4_k and q6_k, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1.
@@ -9,6 +9,11 @@ median of the prompt runs, generation rate from the median token). Also reported
 bandwidth measured here and the token-generation roofline it implies (weight bytes per token /
 bandwidth), llamir's compile times (cold: empty code cache; warm: from the disk cache) and where a
 generated token's time goes (kernels, barriers, Python).
+
+`--isa avx2` emulates an AVX2-only machine on an AVX-512 host: llamir generates code without
+AVX-512/AVX-VNNI with the avx2 numerics profile, and llama.cpp runs from an AVX2-only build
+(`--llama-cpp-path`, default llamir.cli_bench.AVX2_LLAMA_CPP) in subprocesses. The table's header
+names the CPU (/proc/cpuinfo), llamir's LLVM target and llama.cpp's llama_print_system_info().
 
 Shared machines are noisy: each test alternates the two engines `--rounds` times (default 3) and
 reports the best measurement of each (all rounds are in the JSON); rerun when the load is high.
@@ -20,14 +25,24 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from llamir.cli_bench import BenchResult, bench_llama_cpp, bench_llamir
+from llamir.cli_bench import (
+    ISAS,
+    BenchResult,
+    bench_llama_cpp,
+    bench_llamir,
+    compile_times,
+    cpu_isa,
+    llama_cpp_build,
+    llama_cpp_system_info,
+    llvm_options,
+)
 from llamir.frontend.synth import SynthSpec, write_model
 from llamir.paths import cache_dir
 
@@ -73,9 +88,23 @@ def weight_bytes_per_token(path: Path) -> int:
     return total
 
 
-def memory_bandwidth(n_bytes: int = 1 << 29) -> float:
-    """Read bandwidth of this machine (bytes/s), single process: a large array summed by a dot
-    product with itself, best of three."""
+def l3_bytes() -> int:
+    """The largest cache this CPU reports (sysfs), 32 MiB when it says nothing."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def memory_bandwidth(n_bytes: int | None = None) -> tuple[float, int]:
+    """DRAM read bandwidth of this machine (bytes/s) and the buffer it was read from: a numpy
+    streaming read (a float32 array dotted with itself) over 4x the L3 (at least 1 GiB, at most
+    a quarter of the free memory), best of three."""
+    if n_bytes is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        n_bytes = min(max(4 * l3_bytes(), 1 << 30), free // 4)
     a = np.ones(n_bytes // 4, dtype=np.float32)
     a.dot(a)
     best = float("inf")
@@ -83,46 +112,46 @@ def memory_bandwidth(n_bytes: int = 1 << 29) -> float:
         t0 = time.perf_counter()
         a.dot(a)
         best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best
+    return a.nbytes / best, a.nbytes
 
 
-def compile_times(path: Path, threads: int) -> dict:
-    """Seconds from a new Context to the first logits of one token: with an empty code cache
-    (cold), then with a new backend over the same (disk) cache (warm)."""
-    import llamir
+def isa_report(isa: str, threads: int, build: str | None) -> dict:
+    """What each engine runs on: the CPU, llamir's LLVM target and profile, llama.cpp's build."""
     from llamir.backends.llvm import LLVMBackend
 
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for label in ("cold", "warm"):
-            LLVMBackend._shared_caches.clear()
-            be = LLVMBackend(n_threads=threads, cache_dir=tmp)
-            model = llamir.load_model(path)
-            t0 = time.perf_counter()
-            ctx = llamir.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, backend=be, flash_attn="on")
-            assert ctx.decode(llamir.Batch.from_tokens([1], logits="last")) == 0, ctx.last_error
-            out[label] = time.perf_counter() - t0
-            out[f"{label}_detail"] = [{"graph": g, "cache": c, "seconds": s} for g, c, s in be.compile_stats.history]
-            be.close()
-    LLVMBackend._shared_caches.clear()
-    return out
+    be = LLVMBackend(n_threads=threads, disk_cache=False, **llvm_options(isa))
+    llamir_isa = f"LLVM target {be.target.describe()}, numerics {be.numerics}"
+    be.close()
+    if build is None:
+        info = llama_cpp_system_info()
+    else:   # asked of the build itself, in a subprocess with it on the path
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (build, os.environ.get("PYTHONPATH")) if p))
+        info = subprocess.run([sys.executable, "-c", "import llama_cpp; "
+                               "print(llama_cpp.llama_print_system_info().decode().strip())"],
+                              env=env, capture_output=True, text=True, check=True).stdout.strip()
+    return {"isa": isa, "cpu": cpu_isa(), "llamir": llamir_isa, "llama.cpp": info,
+            "llama.cpp_build": build or "installed"}
 
 
-def run(models: dict[str, Path], threads: int, reps: int, rounds: int) -> dict:
-    bandwidth = memory_bandwidth()
+def run(models: dict[str, Path], threads: int, reps: int, rounds: int, isa: str = "host",
+        llama_cpp_path: str | None = None) -> dict:
+    build = llama_cpp_build(isa, llama_cpp_path)
+    bandwidth, buffer = memory_bandwidth()
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads, "rounds": rounds,
-                          "memory_bandwidth_GBps": bandwidth / 1e9, "python": sys.version.split()[0],
-                          "load_average": os.getloadavg()}, "models": {}}
+                          "memory_bandwidth_GBps": bandwidth / 1e9, "bandwidth_buffer_bytes": buffer,
+                          "l3_bytes": l3_bytes(), "python": sys.version.split()[0],
+                          "load_average": os.getloadavg()},
+              "isa": isa_report(isa, threads, build), "models": {}}
     for name, path in models.items():
         entry = {"file": str(path), "weight_bytes_per_token": weight_bytes_per_token(path)}
         entry["roofline_tg_tps"] = bandwidth / entry["weight_bytes_per_token"]
-        entry["compile_s"] = compile_times(path, threads)
+        entry["compile_s"] = compile_times(path, threads, isa)
         for label, n_prompt, n_gen in TESTS:
             key = "pp_tps" if label.startswith("pp") else "tg_tps"
             runs: dict[str, list[BenchResult]] = {"llamir": [], "llama.cpp": []}
             for _ in range(rounds):   # alternating, so that a slow spell of the machine hits both
-                runs["llamir"].append(bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps))
-                runs["llama.cpp"].append(bench_llama_cpp(path, threads, n_prompt, n_gen, reps))
+                runs["llamir"].append(bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps, isa=isa))
+                runs["llama.cpp"].append(bench_llama_cpp(path, threads, n_prompt, n_gen, reps, build=build))
             entry[label] = {}
             for engine, results in runs.items():
                 best = max(results, key=lambda r: getattr(r, key))
@@ -138,21 +167,31 @@ def _progress(name: str, label: str, entry: dict, key: str) -> None:
 
 
 def table(report: dict) -> str:
-    lines = [f"threads={report['machine']['threads']}  memory bandwidth "
-             f"{report['machine']['memory_bandwidth_GBps']:.1f} GB/s  load {report['machine']['load_average'][0]:.2f}",
+    m, isa = report["machine"], report["isa"]
+    lines = [f"isa {isa['isa']}  cpu {isa['cpu']}",
+             f"  llamir    {isa['llamir']}",
+             f"  llama.cpp {isa['llama.cpp_build']}: {isa['llama.cpp']}",
+             f"threads={m['threads']}  memory bandwidth {m['memory_bandwidth_GBps']:.1f} GB/s (numpy read of "
+             f"{m['bandwidth_buffer_bytes'] / 2**30:.1f} GiB, L3 {m['l3_bytes'] / 2**20:.0f} MiB)  "
+             f"load {m['load_average'][0]:.2f}",
              "",
              f"{'model':14s} {'test':6s} {'llamir tok/s':>13s} {'llama.cpp':>10s} {'ratio':>6s}   "
-             f"{'roofline tg':>11s}",
-             "-" * 70]
+             f"{'roofline tg':>11s} {'llamir %':>8s} {'llama.cpp %':>11s}",
+             "-" * 88]
     for name, entry in report["models"].items():
         for label, _, _ in TESTS:
             key = "pp_tps" if label.startswith("pp") else "tg_tps"
             ours, theirs = entry[label]["llamir"][key], entry[label]["llama.cpp"][key]
-            roof = f"{entry['roofline_tg_tps']:11.1f}" if label.startswith("tg") else ""
-            lines.append(f"{name:14s} {label:6s} {ours:13.1f} {theirs:10.1f} {ours / theirs:6.2f}   {roof}")
-    lines += ["", "compile (s, first token of a new context):  cold (empty cache) / warm (disk cache)"]
+            row = f"{name:14s} {label:6s} {ours:13.1f} {theirs:10.1f} {ours / theirs:6.2f}"
+            if label.startswith("tg"):
+                roof = entry["roofline_tg_tps"]
+                row += f"   {roof:11.1f} {100 * ours / roof:7.0f}% {100 * theirs / roof:10.0f}%"
+            lines.append(row)
+    lines += ["", f"compile (s, new Context to the first token's logits, isa {isa['isa']}): cold (new process, "
+              "empty cache dir) / warm (second Context, same process) / disk (new process, cache on disk)"]
     for name, entry in report["models"].items():
-        lines.append(f"  {name:14s} {entry['compile_s']['cold']:6.2f} / {entry['compile_s']['warm']:5.2f}")
+        c = entry["compile_s"]
+        lines.append(f"  {name:14s} {c['cold']:6.2f} / {c['warm']:5.2f} / {c['disk']:5.2f}")
     lines += ["", "one generated token (ms): total = native (kernels + barriers) + Python (executable, context)"]
     for name, entry in report["models"].items():
         x = entry["tg128"]["llamir"]["extra"]
@@ -169,13 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="prompt runs per measurement (median)")
     p.add_argument("--rounds", type=int, default=3,
                    help="alternating measurements of each engine per test; the best of each is reported")
-    p.add_argument("--json", default="bench/results/bench_llvm.json", help="where to write the JSON report")
+    p.add_argument("--isa", choices=ISAS, default="host",
+                   help="host: this CPU; avx2: emulate an AVX2-only CPU (llamir without AVX-512/AVX-VNNI, avx2 "
+                        "numerics; llama.cpp from the AVX2 build)")
+    p.add_argument("--llama-cpp-path", default=None,
+                   help="directory holding the llama_cpp package to compare with (default for --isa avx2: "
+                        "llamir.cli_bench.AVX2_LLAMA_CPP)")
+    p.add_argument("--json", default=None,
+                   help="where to write the JSON report (default bench/results/bench_llvm[_ISA].json)")
     args = p.parse_args(argv)
     selected = [m.strip() for m in args.models.split(",") if m.strip()] or None
-    report = run(model_paths(selected), args.threads, args.reps, args.rounds)
+    report = run(model_paths(selected), args.threads, args.reps, args.rounds, args.isa, args.llama_cpp_path)
     text = table(report)
     print(text)
-    out = Path(args.json)
+    out = Path(args.json or f"bench/results/bench_llvm{'' if args.isa == 'host' else '_' + args.isa}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report["table"] = text
     out.write_text(json.dumps(report, indent=1))

@@ -1,22 +1,89 @@
-"""`llamir bench MODEL [-p 512] [-n 128] [--backend B] [--threads N] [--json]`: prompt processing
-and generation speed of one model, measured like llama-bench.
+"""`llamir bench MODEL [-p 512] [-n 128] [--backend B] [--threads N] [--isa host|avx2] [--json]`:
+prompt processing and generation speed of one model, measured like llama-bench.
 
 pp: one decode of P tokens into an empty cache (n_batch = n_ubatch = P), the median of `reps`
 runs after a warm-up. tg: N single-token decodes from an empty cache, each timed, the rate of
 the median. The same functions time llama.cpp (bench/bench_llvm.py runs both on one file).
+
+`--isa avx2` emulates an AVX2-only CPU (AMD Zen 3) on an AVX-512 host: llamir's LLVM code is
+generated without AVX-512 and AVX-VNNI, with the avx2 numerics profile, and llama.cpp runs from
+an AVX2-only build of llama-cpp-python (`--llama-cpp-path`, a directory put first on
+PYTHONPATH) in a subprocess, since one process can import only one llama_cpp.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 FLASH_ATTN_DEFAULT = "on"   # llama.cpp's CPU default (auto) resolves to flash attention
+ISAS = ("host", "avx2")
+AVX2_ONLY_DROPS = ("avx512", "avxvnni")     # what an AVX2 + FMA + F16C machine (Zen 3) lacks
+AVX2_LLAMA_CPP = "/work/build/avx2"         # llama-cpp-python built with GGML_AVX512=OFF (see bench/README.md)
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+             "avx_vnni", "amx_tile")
+
+
+# -- the ISA a bench runs on --------------------------------------------------------------------
+def cpu_isa() -> str:
+    """This CPU as /proc/cpuinfo describes it: model name and the vector flags that matter."""
+    name, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return f"{name}: " + " ".join(f for f in CPU_FLAGS if f in flags)
+
+
+def llvm_options(isa: str) -> dict:
+    """LLVMBackend options for `isa`: host (this CPU, its default profile) or avx2 (no AVX-512,
+    no AVX-VNNI, the avx2 numerics profile of an AVX2 llama.cpp build)."""
+    if isa == "host":
+        return {}
+    if isa == "avx2":
+        from llamir.backends.llvm.target import host_target, restricted_target
+
+        return {"target": restricted_target(host_target(), AVX2_ONLY_DROPS), "numerics": "avx2"}
+    raise ValueError(f"unknown isa {isa!r}; choose one of {', '.join(ISAS)}")
+
+
+def llama_cpp_system_info() -> str:
+    """llama_print_system_info() of the llama_cpp this process imports."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode().strip()
+
+
+def llama_cpp_build(isa: str, path: str | None = None) -> str | None:
+    """The directory to put first on PYTHONPATH for the llama.cpp build of `isa`, or None for the
+    installed one (host; or avx2 when the installed build is itself AVX2-only)."""
+    if isa == "host":
+        return path
+    if isa != "avx2":
+        raise ValueError(f"unknown isa {isa!r}; choose one of {', '.join(ISAS)}")
+    build = path or AVX2_LLAMA_CPP
+    if os.path.isdir(os.path.join(build, "llama_cpp")):
+        return build
+    if "AVX512 = 1" not in llama_cpp_system_info():
+        return None
+    raise RuntimeError(f"--isa avx2 needs an AVX2-only llama-cpp-python build: {build}/llama_cpp not found "
+                       "(build one with CMAKE_ARGS=-DGGML_AVX512=OFF, see bench/README.md)")
 
 
 @dataclass
@@ -76,18 +143,25 @@ def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 
 def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_prompt: int = 512, n_gen: int = 128,
-                 reps: int = 3, flash_attn: str = FLASH_ATTN_DEFAULT, numerics: str | None = None) -> BenchResult:
+                 reps: int = 3, flash_attn: str = FLASH_ATTN_DEFAULT, numerics: str | None = None,
+                 isa: str = "host") -> BenchResult:
     """Time llamir on one GGUF: prompt processing and generation, plus compile and overheads."""
     import llamir
     from llamir.backends import get_backend
 
     model = llamir.load_model(path)
     options = {"n_threads": threads} if threads else {}
+    if backend == "llvm":
+        options.update(llvm_options(isa))
+    elif isa != "host":
+        raise ValueError(f"--isa {isa} applies to the llvm backend, not {backend}")
     if numerics is not None:
         options["numerics"] = numerics
     be = get_backend(backend, **options)
     n_threads = getattr(be, "n_threads", threads)
     result = BenchResult(f"llamir-{backend}", Path(path).name, n_threads, n_prompt, n_gen)
+    if hasattr(be, "target"):
+        result.extra["isa"] = f"{be.target.describe()}, numerics {be.numerics}"
     n_ctx = max(n_prompt, n_gen) + 16
     batch = max(n_prompt, 1)
     t0 = time.perf_counter()
@@ -167,11 +241,16 @@ def _token_breakdown(ctx, be, gen: list[int]) -> dict:
 
 
 def bench_llama_cpp(path: str | Path, threads: int = 2, n_prompt: int = 512, n_gen: int = 128, reps: int = 3,
-                    flash_attn: str = FLASH_ATTN_DEFAULT) -> BenchResult:
-    """Time llama.cpp (llama-cpp-python) the same way on the same file."""
+                    flash_attn: str = FLASH_ATTN_DEFAULT, build: str | None = None) -> BenchResult:
+    """Time llama.cpp (llama-cpp-python) the same way on the same file; from the build in
+    directory `build` (run in a subprocess with it first on PYTHONPATH) when one is given."""
+    if build is not None:
+        return _bench_llama_cpp_in(build, dict(path=str(path), threads=threads, n_prompt=n_prompt, n_gen=n_gen,
+                                               reps=reps, flash_attn=flash_attn))
     from llamir.testing.llama_cpp import LlamaCppOracle
 
     result = BenchResult("llama.cpp", Path(path).name, threads, n_prompt, n_gen)
+    result.extra["system_info"] = llama_cpp_system_info()
     n_ctx = max(n_prompt, n_gen) + 16
     batch = max(n_prompt, 1)
     with LlamaCppOracle(path, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=threads,
@@ -197,24 +276,106 @@ def bench_llama_cpp(path: str | Path, threads: int = 2, n_prompt: int = 512, n_g
     return result
 
 
+def _bench_llama_cpp_in(build: str, kwargs: dict) -> BenchResult:
+    """bench_llama_cpp(**kwargs) in a new Python whose llama_cpp comes from `build`."""
+    result = BenchResult(**_run_worker({"job": "llama.cpp"} | kwargs, pythonpath=build))
+    if not str(result.extra.get("llama_cpp", "")).startswith(os.path.abspath(build)):
+        raise RuntimeError(f"the subprocess imported llama_cpp from {result.extra.get('llama_cpp')}, not {build}")
+    return result
+
+
+def compile_times(path: str | Path, threads: int, isa: str = "host") -> dict:
+    """Seconds from a new Context to the first logits of one token. cold: a new process with an
+    empty llamir cache dir; warm: a second Context on the same model in that process; disk: a new
+    process with the disk cache the first one filled. `*_detail`: the backend's compiles."""
+    with tempfile.TemporaryDirectory(prefix="llamir-compile-") as tmp:
+        job = {"job": "compile", "path": str(path), "threads": threads, "isa": isa}
+        first = _run_worker(job | {"contexts": 2}, cache_dir=tmp)
+        second = _run_worker(job | {"contexts": 1}, cache_dir=tmp)
+    out = {}
+    for label, run in (("cold", first["runs"][0]), ("warm", first["runs"][1]), ("disk", second["runs"][0])):
+        out[label] = run["seconds"]
+        out[f"{label}_detail"] = run["compiles"]
+    return out
+
+
+def _compile_job(path: str, threads: int, isa: str, contexts: int) -> dict:
+    import llamir
+    from llamir.backends.llvm import LLVMBackend
+
+    model = llamir.load_model(path)
+    runs = []
+    for _ in range(contexts):
+        be = LLVMBackend(n_threads=threads, **llvm_options(isa))
+        t0 = time.perf_counter()
+        ctx = llamir.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, backend=be, flash_attn="on")
+        _ok(ctx, llamir.Batch.from_tokens([1], logits="last"))
+        seconds = time.perf_counter() - t0
+        runs.append({"seconds": seconds, "compiles": [{"graph": g, "cache": c, "seconds": s}
+                                                      for g, c, s in be.compile_stats.history]})
+        be.close()
+    return {"runs": runs}
+
+
+def _run_worker(job: dict, pythonpath: str | None = None, cache_dir: str | None = None) -> dict:
+    """`job` run by _worker in a new Python (`pythonpath` first on its path, `cache_dir` as its
+    LLAMIR_CACHE_DIR); its JSON answer."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                             if p])
+    if cache_dir:
+        from llamir.paths import CACHE_DIR_ENV
+
+        env[CACHE_DIR_ENV] = cache_dir
+    proc = subprocess.run([sys.executable, "-m", "llamir.cli_bench", json.dumps(job)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench job {job['job']} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _worker(job_json: str) -> int:
+    """The subprocess side of _run_worker: one JSON object on stdout."""
+    job = json.loads(job_json)
+    kind = job.pop("job")
+    if kind == "llama.cpp":
+        import llama_cpp
+
+        result = bench_llama_cpp(**job)
+        result.extra["llama_cpp"] = os.path.abspath(llama_cpp.__file__)
+        answer = result.as_dict()
+    elif kind == "compile":
+        answer = _compile_job(**job)
+    else:
+        raise ValueError(f"unknown bench job {kind!r}")
+    print(json.dumps(answer))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from llamir.cli import CliError, _model_path
 
     path = _model_path(args.model)
-    if args.backend == "llama.cpp":
-        result = bench_llama_cpp(path, threads=args.threads or 2, n_prompt=args.n_prompt, n_gen=args.n_gen,
-                                 reps=args.reps, flash_attn=args.flash_attn)
-    else:
-        try:
+    try:
+        if args.backend == "llama.cpp":
+            result = bench_llama_cpp(path, threads=args.threads or 2, n_prompt=args.n_prompt, n_gen=args.n_gen,
+                                     reps=args.reps, flash_attn=args.flash_attn,
+                                     build=llama_cpp_build(args.isa, args.llama_cpp_path))
+        else:
             result = bench_llamir(path, backend=args.backend, threads=args.threads, n_prompt=args.n_prompt,
                                   n_gen=args.n_gen, reps=args.reps, flash_attn=args.flash_attn,
-                                  numerics=args.numerics)
-        except RuntimeError as err:
-            raise CliError(str(err)) from None
+                                  numerics=args.numerics, isa=args.isa)
+    except (RuntimeError, ValueError) as err:
+        raise CliError(str(err)) from None
     if args.json:
         print(json.dumps(result.as_dict()))
         return 0
     print(f"{result.engine}  {result.model}  threads={result.threads}")
+    print(f"  cpu    {cpu_isa()}")
+    for key in ("isa", "system_info"):
+        if key in result.extra:
+            print(f"  {'build' if key == 'system_info' else 'target':6s} {result.extra[key]}")
     if result.pp_tokens:
         print(f"  pp{result.pp_tokens:<5d} {result.pp_tps:10.1f} tok/s")
     if result.tg_tokens:
@@ -238,5 +399,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--reps", type=int, default=3, help="prompt runs to take the median of")
     p.add_argument("--flash-attn", choices=["on", "off"], default=FLASH_ATTN_DEFAULT, dest="flash_attn")
     p.add_argument("--json", action="store_true", help="print one JSON object (pp_tps, tg_tps, ...)")
+    p.add_argument("--isa", choices=ISAS, default="host",
+                   help="host: this CPU; avx2: emulate an AVX2-only CPU (llvm without AVX-512/AVX-VNNI, avx2 "
+                        "numerics; llama.cpp from the AVX2 build)")
+    p.add_argument("--llama-cpp-path", default=None, dest="llama_cpp_path",
+                   help=f"directory of the llama_cpp package to bench (default for --isa avx2: {AVX2_LLAMA_CPP})")
     add_numerics_option(p)
     p.set_defaults(func=cmd_bench)
+
+
+if __name__ == "__main__":     # the worker of _run_worker
+    sys.exit(_worker(sys.argv[1]))

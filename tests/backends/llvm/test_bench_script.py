@@ -30,6 +30,29 @@ def test_bench_rounds_and_table(tmp_path):
             result = entry[label][engine]
             assert len(result["rounds_" + key]) == 2
             assert result[key] == max(result["rounds_" + key]) > 0
-    assert entry["weight_bytes_per_token"] > 0 and entry["compile_s"]["warm"] > 0
+    compile_s = entry["compile_s"]
+    assert entry["weight_bytes_per_token"] > 0 and min(compile_s["cold"], compile_s["warm"], compile_s["disk"]) > 0
+    assert "miss" in compile_s["cold_detail"][0]["cache"]        # cold starts from an empty cache dir
+    assert all(c["cache"] == "hit" for c in compile_s["disk_detail"])
     text = bench.table(report)
-    assert "tiny" in text and "tg128" in text and "roofline" in text
+    assert "tiny" in text and "tg128" in text and "roofline" in text and "%" in text
+    assert "isa host" in text and "llama.cpp installed: CPU :" in text and "LLVM target" in text
+
+
+def test_bench_avx2_emulation(tmp_path):
+    """--isa avx2: llamir without AVX-512 and the avx2 profile, llama.cpp from an AVX2-only build."""
+    bench = _bench_module()
+    try:
+        build = bench.llama_cpp_build("avx2")
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    path = write_model(tmp_path / "tiny.gguf", SynthSpec(n_layer=1, dtype="q4_0"))
+    report = bench.run({"tiny": path}, threads=1, reps=1, rounds=1, isa="avx2")
+    isa = report["isa"]
+    assert "avx512" not in isa["llamir"] and "numerics avx2" in isa["llamir"]
+    assert "AVX2 = 1" in isa["llama.cpp"] and "AVX512 = 1" not in isa["llama.cpp"]
+    tg = report["models"]["tiny"]["tg128"]["llama.cpp"]
+    assert "AVX512 = 1" not in tg["extra"]["system_info"] and tg["tg_tps"] > 0
+    if build is not None:
+        assert tg["extra"]["llama_cpp"].startswith(build)
+    assert "isa avx2" in bench.table(report)
