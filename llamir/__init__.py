@@ -6,8 +6,10 @@
     row = ctx.get_logits_ith(-1)
 """
 
-from llamir.context import Batch, Context, ContextParams
+from llamir.context import Batch, BatchError, Context, ContextParams, ContextParamsError, OutputError, SeqOpError
+from llamir.context.state_io import StateError
 from llamir.frontend.model import Model, ModelError, load_model
 
 __version__ = "0.1.0"
-__all__ = ["Batch", "Context", "ContextParams", "Model", "ModelError", "load_model", "__version__"]
+__all__ = ["Batch", "BatchError", "Context", "ContextParams", "ContextParamsError", "Model", "ModelError",
+           "OutputError", "SeqOpError", "StateError", "load_model", "__version__"]

@@ -3,7 +3,8 @@
 from llamir.context.batch import Batch, BatchError, UBatch
 from llamir.context.context import Context
 from llamir.context.kv_cache import KVCache, MemoryStatus, SeqOpError
+from llamir.context.outputs import OutputError
 from llamir.context.params import ContextParams, ContextParamsError
 
 __all__ = ["Batch", "BatchError", "Context", "ContextParams", "ContextParamsError", "KVCache", "MemoryStatus",
-           "SeqOpError", "UBatch"]
+           "OutputError", "SeqOpError", "UBatch"]

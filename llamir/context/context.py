@@ -5,6 +5,7 @@ sequence operations on `ctx.memory`, state and perf mirror llama.h."""
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -18,7 +19,7 @@ from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
 from llamir.context.kv_cache import KVCache, MemoryStatus
 from llamir.context.kv_cache_iswa import KVCacheISWA
 from llamir.context.memory_update import MemoryUpdater
-from llamir.context.outputs import Outputs
+from llamir.context.outputs import OutputError, Outputs
 from llamir.context.params import ContextParams, ContextParamsError, CParams, resolve
 from llamir.context.perf import Perf
 from llamir.context.runner import Runner
@@ -395,14 +396,15 @@ class Context:
         """The pooled embedding of a sequence (pooling mean/cls/last/rank)."""
         self._require_embeddings()
         if self.cparams.pooling_type == "none":
-            raise ValueError("pooling is none: use get_embeddings_ith for per-token embeddings")
-        if seq_id not in self.outputs.embd_seq:
-            raise KeyError(f"no pooled embedding for sequence {seq_id} in the last batch")
-        return self.outputs.embd_seq[seq_id]
+            raise OutputError("pooling is none: use get_embeddings_ith for per-token embeddings")
+        try:
+            return self.outputs.embd_seq[operator.index(seq_id)]
+        except (KeyError, TypeError):
+            raise OutputError(f"no pooled embedding for sequence {seq_id!r} in the last batch") from None
 
     def _require_embeddings(self) -> None:
         if not self.cparams.embeddings:
-            raise ValueError("embeddings are off for this context (create it with embeddings=True)")
+            raise OutputError("embeddings are off for this context (create it with embeddings=True)")
 
     # -- state ------------------------------------------------------------------------------------
     def state_get_size(self) -> int:

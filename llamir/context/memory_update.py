@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from llamir.context.kv_cache import KVCache
+from llamir.context.kv_cache import KVCache, SeqOpError
 from llamir.frontend.graph_kv import build_shift_graph
 
 log = logging.getLogger("llamir")
@@ -32,7 +32,8 @@ class MemoryUpdater:
                 changed = True
             if any(cells.has_shift for cells in cache.v_cells):
                 if not cache.get_can_shift():   # each cache's own, as llama_kv_cache::update (not the iSWA's)
-                    raise RuntimeError("The current KV cache / model configuration does not support K-shift")
+                    raise SeqOpError("seq_add/seq_div: the current KV cache / model configuration does not "
+                                     "support K-shift")
                 self._k_shift(cache)
                 changed = True
         return changed

@@ -3,9 +3,14 @@ embeddings per sequence, and llama.cpp's lazy reordering (output_swaps / output_
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
+
+
+class OutputError(LookupError):
+    """An output that the last batch did not produce (llama.cpp logs it and returns NULL)."""
 
 
 @dataclass
@@ -110,19 +115,23 @@ class Outputs:
 
     def row(self, i: int) -> int:
         """The row of batch token i (negative i counts back from the last output)."""
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise OutputError(f"output index must be an integer, got {type(i).__name__} {i!r}") from None
         self.reorder()
         if self.n_outputs == 0:
-            raise IndexError("no outputs: decode a batch that asks for logits first")
+            raise OutputError("no outputs: decode a batch that asks for logits first")
         if i < 0:
             j = self.n_outputs + i
             if j < 0:
-                raise IndexError(f"negative index {i} out of range [-{self.n_outputs}, 0)")
+                raise OutputError(f"negative index {i} out of range [-{self.n_outputs}, 0)")
             return j
         if i >= len(self.output_ids):
-            raise IndexError(f"out of range [0, {len(self.output_ids)})")
+            raise OutputError(f"index {i} out of range [0, {len(self.output_ids)})")
         j = int(self.output_ids[i])
         if j < 0:
-            raise IndexError(f"batch.logits[{i}] != true: token {i} asked for no output")
+            raise OutputError(f"batch.logits[{i}] != true: token {i} asked for no output")
         if j >= self.n_outputs:
-            raise IndexError(f"corrupt output buffer (j={j}, n_outputs={self.n_outputs})")
+            raise OutputError(f"corrupt output buffer (j={j}, n_outputs={self.n_outputs})")
         return j

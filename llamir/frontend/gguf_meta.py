@@ -233,15 +233,25 @@ class Metadata(Mapping[str, Any]):
                                 f"as an array (value {show(value)})")
         if items is None or vtype.item in items:
             return
-        if stored is None and (vtype.item is None or _same_kind(vtype.item, items)):
+        if stored is None and (_same_kind(vtype.item, items) or vtype.item is None and _mixed_numbers(value, items)):
             return   # plain Python values: any integer width stands for any other
         wanted = "/".join(f"arr[{t.label}]" for t in items)
         raise MetadataError(f"{self.source}: metadata key {key!r} has type {vtype} but llama.cpp reads it as "
                             f"{wanted}")
 
 
-def _same_kind(item: GGUFType, items: tuple[GGUFType, ...]) -> bool:
+def _same_kind(item: GGUFType | None, items: tuple[GGUFType, ...]) -> bool:
     return item in _INT_RANGES and any(t in _INT_RANGES for t in items)
+
+
+def _mixed_numbers(value: Any, items: tuple[GGUFType, ...]) -> bool:
+    """A plain list of no items, or of ints and floats mixed, for an array of floats."""
+    kinds = {python_type(v).type if isinstance(v, _PYTHON_VALUES) else None for v in value}
+    floats = any(t in (GGUFType.FLOAT32, GGUFType.FLOAT64) for t in items)
+    return not kinds or (floats and kinds == {GGUFType.INT64, GGUFType.FLOAT32})
+
+
+_PYTHON_VALUES = (bool, np.bool_, str, int, np.integer, float, np.floating, np.ndarray, list, tuple)
 
 
 def python_type(value: Any) -> ValueType:
@@ -257,7 +267,7 @@ def python_type(value: Any) -> ValueType:
     if isinstance(value, np.ndarray):
         return ValueType(GGUFType.ARRAY, _NUMPY_ITEMS.get(value.dtype.str.lstrip("<|=")))
     if isinstance(value, (list, tuple)):
-        kinds = {python_type(v).type for v in value}
+        kinds = {python_type(v).type if isinstance(v, _PYTHON_VALUES) else None for v in value}
         return ValueType(GGUFType.ARRAY, next(iter(kinds)) if len(kinds) == 1 else None)
     return ValueType(GGUFType.ARRAY if hasattr(value, "__len__") else GGUFType.STRING)
 

@@ -42,6 +42,7 @@ from llamir.frontend.vocab_special import (
     EOG_TEXTS,
     ID_KEYS,
     TYPE_TO_ATTR,
+    VocabError,
 )
 from llamir.frontend.vocab_ugm import CharsMap, UgmTokenizer
 
@@ -69,7 +70,7 @@ def _typed_array(meta: Metadata, key: str, items: tuple[GGUFType, ...]) -> Any:
         return meta.get_arr(key, items)
     except MetadataError:
         wanted = " or ".join(f"arr[{t.label}]" for t in items)
-        raise ValueError(f"invalid gguf type for {key}: {meta.value_type(key)}, expected {wanted}") from None
+        raise VocabError(f"invalid gguf type for {key}: {meta.value_type(key)}, expected {wanted}") from None
 
 
 class Vocab:
@@ -100,13 +101,13 @@ class Vocab:
     def __init__(self, meta: Mapping[str, Any]):
         meta = Metadata.of(meta)   # every value is read with the type llama.cpp reads it as
         if "tokenizer.ggml.model" not in meta:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.model: the file has no vocabulary")
+            raise VocabError("GGUF metadata has no tokenizer.ggml.model: the file has no vocabulary")
         model = meta.get_str("tokenizer.ggml.model")
         meta.get_u32("tokenizer.ggml.token_type_count")
         if model in _NOT_PORTED:
-            raise ValueError(f"tokenizer model {model!r} is known to llama.cpp but not supported by llamir")
+            raise VocabError(f"tokenizer model {model!r} is known to llama.cpp but not supported by llamir")
         if model not in _MODEL_TYPES:
-            raise ValueError(f"unknown tokenizer: {model!r} (tokenizer.ggml.model)")
+            raise VocabError(f"unknown tokenizer: {model!r} (tokenizer.ggml.model)")
         self.model, self.type = model, _MODEL_TYPES[model]
         pre = meta.get_str("tokenizer.ggml.pre", "")
         self.pre = "gemma4" if model == "gemma4" else pre
@@ -134,7 +135,7 @@ class Vocab:
         if merges is None and self.pre == "kimi-k2":
             return {}   # llama.cpp lets Kimi-K2 go without merges
         if merges is None:
-            raise ValueError("cannot find tokenizer merges (tokenizer.ggml.merges) in a BPE vocab")
+            raise VocabError("cannot find tokenizer merges (tokenizer.ggml.merges) in a BPE vocab")
         # keyed "left right": llama.cpp splits at the first space after the first byte, and the
         # symbols it looks up never hold a space, so the joined text is an exact key; the first
         # of two equal merges wins (unordered_map::emplace), hence the reversed fill
@@ -167,18 +168,18 @@ class Vocab:
             log.warning("vocab has no tokenizer.ggml.pre; using 'default' (generation quality will suffer)")
             return PRE_TOKENIZERS["default"]
         if self.pre in UNSUPPORTED_PRE:
-            raise ValueError(f"pre-tokenizer {self.pre!r} is known to llama.cpp but not supported by llamir")
+            raise VocabError(f"pre-tokenizer {self.pre!r} is known to llama.cpp but not supported by llamir")
         if self.pre not in PRE_TOKENIZERS:
-            raise ValueError(f"unknown pre-tokenizer type: {self.pre!r} (tokenizer.ggml.pre)")
+            raise VocabError(f"unknown pre-tokenizer type: {self.pre!r} (tokenizer.ggml.pre)")
         return PRE_TOKENIZERS[self.pre]
 
     def _read_tokens(self, meta: Metadata) -> None:
         tokens = _typed_array(meta, "tokenizer.ggml.tokens", (GGUFType.STRING,))
         if tokens is None:
-            raise ValueError("cannot find tokenizer vocab (tokenizer.ggml.tokens) in the metadata")
+            raise VocabError("cannot find tokenizer vocab (tokenizer.ggml.tokens) in the metadata")
         n = len(tokens)
         if n == 0:
-            raise ValueError("tokenizer.ggml.tokens is empty")
+            raise VocabError("tokenizer.ggml.tokens is empty")
         scores = self._array(meta, "tokenizer.ggml.scores", (GGUFType.INT32, GGUFType.FLOAT32), n, np.float32)
         types = self._array(meta, "tokenizer.ggml.token_type", (GGUFType.INT32,), n, np.int64)
         # llama.cpp reads each text as a C string (gguf_get_arr_str), so a NUL ends it, and renames
@@ -202,9 +203,9 @@ class Vocab:
         try:
             values = np.asarray(values, dtype=dtype)
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"invalid gguf type for {key}: expected a numeric array") from None
+            raise VocabError(f"invalid gguf type for {key}: expected a numeric array") from None
         if values.ndim != 1 or len(values) < n:
-            raise ValueError(f"{key} has {values.size} entries for {n} tokens")
+            raise VocabError(f"{key} has {values.size} entries for {n} tokens")
         return values[:n]
 
     def _make_tokenizer(self, meta: Metadata) -> SpmTokenizer | BpeTokenizer | WpmTokenizer | UgmTokenizer:
@@ -332,7 +333,7 @@ class Vocab:
 
         def require(text: str) -> int:
             if text not in self._token_to_id:
-                raise ValueError(f"vocab of {name!r} has no token {text!r}, which llama.cpp requires for it")
+                raise VocabError(f"vocab of {name!r} has no token {text!r}, which llama.cpp requires for it")
             return self._token_to_id[text]
 
         if any(s in pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
@@ -385,7 +386,7 @@ class Vocab:
 
     def _check(self, token: int) -> int:
         if not 0 <= token < len(self._texts):
-            raise IndexError(f"token id {token} is out of range for a vocab of {len(self._texts)} tokens")
+            raise VocabError(f"token id {token} is out of range for a vocab of {len(self._texts)} tokens")
         return token
 
     def text(self, token: int) -> str:
@@ -434,7 +435,7 @@ class Vocab:
             text = uc.BYTE_TO_UNICODE[byte]
             if text in self._token_to_id:
                 return self._token_to_id[text]
-        raise ValueError(f"the vocab has no token for byte 0x{byte:02X}")
+        raise VocabError(f"the vocab has no token for byte 0x{byte:02X}")
 
     def __repr__(self) -> str:
         return f"Vocab(model={self.model!r}, pre={self.pre!r}, n_tokens={self.n_tokens})"
@@ -485,7 +486,7 @@ class Vocab:
     def _required(self, name: str) -> int:
         token = self._ids[name]
         if token < 0:
-            raise ValueError(f"the vocab asks for a {name.upper()} token but has none")
+            raise VocabError(f"the vocab asks for a {name.upper()} token but has none")
         return token
 
     def _partition(self, raw: bytes, parse_special: bool) -> list[int | tuple[int, int]]:
@@ -549,7 +550,7 @@ class Vocab:
             return decode_byte_level(text)
         if attr & ATTR_BYTE:
             if self.type == WPM:
-                raise ValueError(f"token {token} is a byte token, which a WPM vocab cannot have")
+                raise VocabError(f"token {token} is a byte token, which a WPM vocab cannot have")
             return bytes([hex_prefix(text[3:5])])
         return b""  # unused and undefined tokens have no text
 

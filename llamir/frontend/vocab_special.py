@@ -5,6 +5,11 @@ Kept apart from vocab.py because it is a list of names that grows with every new
 
 from __future__ import annotations
 
+
+class VocabError(ValueError):
+    """A vocab llama.cpp would refuse, or a token id or text it cannot map (llama_vocab throws)."""
+
+
 # token attributes (llama_token_attr)
 ATTR_UNDEFINED, ATTR_UNKNOWN, ATTR_UNUSED, ATTR_NORMAL = 0, 1 << 0, 1 << 1, 1 << 2
 ATTR_CONTROL, ATTR_USER_DEFINED, ATTR_BYTE, ATTR_NORMALIZED = 1 << 3, 1 << 4, 1 << 5, 1 << 6

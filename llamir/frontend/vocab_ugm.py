@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llamir.frontend.vocab_special import ATTR_NORMAL, ATTR_UNUSED, ATTR_USER_DEFINED
+from llamir.frontend.vocab_special import ATTR_NORMAL, ATTR_UNUSED, ATTR_USER_DEFINED, VocabError
 
 # unicode_len_utf8: sequence length from the lead byte's high nibble (no validation)
 _UTF8_LEN = (1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4)
@@ -48,17 +48,17 @@ class CharsMap:
 
     def __init__(self, blob: bytes):
         if len(blob) < 4:
-            raise ValueError("precompiled_charsmap too small for xcda_blob_size header!")
+            raise VocabError("precompiled_charsmap too small for xcda_blob_size header!")
         xcda_size = int.from_bytes(blob[:4], "little")
         if xcda_size + 4 >= len(blob):
-            raise ValueError("Index out of array bounds in precompiled charsmap!")
+            raise VocabError("Index out of array bounds in precompiled charsmap!")
         n_entries = xcda_size // 4
         self.xcda: list[int] = np.frombuffer(blob, dtype="<u4", count=n_entries, offset=4).tolist()
         self.replacements = bytes(blob[4 + xcda_size:])
 
     def _node(self, index: int) -> int:
         if index >= len(self.xcda):
-            raise ValueError("Index out of array bounds in XCDA array!")
+            raise VocabError("Index out of array bounds in XCDA array!")
         return self.xcda[index]
 
     def _base(self, index: int) -> int:
@@ -86,10 +86,10 @@ class CharsMap:
         if length == 0:
             return 0, b""
         if value >= len(self.replacements):
-            raise ValueError("Index out of array bounds in precompiled charsmap!")
+            raise VocabError("Index out of array bounds in precompiled charsmap!")
         end = self.replacements.find(b"\0", value)
         if end < 0:
-            raise ValueError("Unterminated string in precompiled charsmap!")
+            raise VocabError("Unterminated string in precompiled charsmap!")
         return length, self.replacements[value:end]
 
 

@@ -61,12 +61,16 @@ def test_outputs_follow_the_logits_flags(model):
         if f:
             np.testing.assert_allclose(ctx.get_logits_ith(i), full[i], atol=2e-4)
     np.testing.assert_allclose(ctx.get_logits_ith(-1), full[9], atol=2e-4)
-    with pytest.raises(IndexError, match=r"batch.logits\[1\] != true"):
+    with pytest.raises(llamir.OutputError, match=r"batch.logits\[1\] != true"):
         ctx.get_logits_ith(1)
-    with pytest.raises(IndexError, match="out of range"):
+    with pytest.raises(llamir.OutputError, match="out of range"):
         ctx.get_logits_ith(10_000)
-    with pytest.raises(IndexError, match="negative index"):
+    with pytest.raises(llamir.OutputError, match="negative index"):
         ctx.get_logits_ith(-5)
+    for bad in ("1", 1.0, None):
+        with pytest.raises(llamir.OutputError, match="output index must be an integer"):
+            ctx.get_logits_ith(bad)
+    np.testing.assert_array_equal(ctx.get_logits_ith(np.int32(0)), ctx.get_logits_ith(0))
 
 
 def _assert_untouched(ctx, model, n_done):

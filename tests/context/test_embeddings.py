@@ -61,14 +61,18 @@ def test_embedding_getters_refuse_what_was_not_computed(model_path):
     model = llamir.load_model(model_path)
     ctx = llamir.Context(model, n_ctx=256)
     assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3])) == 0
-    with pytest.raises(ValueError, match="embeddings are off"):
+    with pytest.raises(llamir.OutputError, match="embeddings are off"):
         ctx.get_embeddings()
     ctx = llamir.Context(model, n_ctx=256, embeddings=True, pooling_type="none")
     assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3])) == 0
     assert ctx.get_embeddings().shape == (3, model.hparams.n_embd)   # embeddings force every token out
-    with pytest.raises(ValueError, match="pooling is none"):
+    with pytest.raises(llamir.OutputError, match="pooling is none"):
         ctx.get_embeddings_seq(0)
     ctx = llamir.Context(model, n_ctx=256, embeddings=True, pooling_type="mean")
     assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3])) == 0
-    with pytest.raises(KeyError, match="no pooled embedding for sequence 1"):
+    with pytest.raises(llamir.OutputError, match="no pooled embedding for sequence 1"):
         ctx.get_embeddings_seq(1)
+    for bad in ("0", [0], 0.0):
+        with pytest.raises(llamir.OutputError, match="no pooled embedding for sequence"):
+            ctx.get_embeddings_seq(bad)
+    assert ctx.get_embeddings_seq(np.int64(0)).shape == (model.hparams.n_embd,)

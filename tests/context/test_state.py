@@ -57,7 +57,7 @@ def test_full_state_round_trip_is_exact(model):
     assert dst.state_set_data(blob) == len(blob)
     assert dst.state_get_data() == blob
     assert dst.get_logits().shape == (0, model.hparams.n_vocab)   # a state has no outputs: they are dropped
-    with pytest.raises(IndexError, match="no outputs"):
+    with pytest.raises(llamir.OutputError, match="no outputs"):
         dst.get_logits_ith(-1)
     np.testing.assert_array_equal(_next_logits(dst), _next_logits(src))
 

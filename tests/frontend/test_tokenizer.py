@@ -17,7 +17,7 @@ from tokenizer_fixtures import (
 )
 
 from llamir.frontend.gguf_file import GGUFFile
-from llamir.frontend.vocab import Vocab
+from llamir.frontend.vocab import Vocab, VocabError
 from llamir.frontend.vocab_gguf import read_metadata
 from llamir.frontend.vocab_hash_order import hash_bytes
 
@@ -140,13 +140,13 @@ def test_add_bos_and_add_eos_follow_the_metadata() -> None:
 def test_bad_token_ids_name_the_id() -> None:
     vocab = Vocab.from_metadata(spm_meta())
     n = vocab.n_tokens
-    with pytest.raises(IndexError, match=f"token id {n} "):
+    with pytest.raises(VocabError, match=f"token id {n} "):
         vocab.token_to_piece(n)
-    with pytest.raises(IndexError, match="token id -1 "):
+    with pytest.raises(VocabError, match="token id -1 "):
         vocab.token_to_piece(-1)
-    with pytest.raises(IndexError, match="token id 99999 "):
+    with pytest.raises(VocabError, match="token id 99999 "):
         vocab.detokenize([SPACE_AB, 99999])
-    with pytest.raises(IndexError, match="token id -7 "):
+    with pytest.raises(VocabError, match="token id -7 "):
         vocab.text(-7)
 
 
