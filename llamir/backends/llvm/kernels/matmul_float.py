@@ -5,18 +5,23 @@ widths of the numerics profile (em.numerics; ir/float_x86.py is the reference):
 - tinyBLAS (llamafile sgemm; N >= 2, K % KN == 0, M % 4 == 0 and src1 offered): one fma
   accumulator of `lanes` per output over steps of KN = lanes, reduced as _mm512_reduce_add_ps or
   the 128-bit hsum (for bf16 with vdpbf16ps: KN = 32, pairs of products per lane, denormals
-  flushed). Computed in 4 x 6 register tiles over n-blocks that stay in L2; f16/bf16 weight
-  rows are widened once per n-block into a per-thread scratch.
+  flushed). Computed in register tiles sized for the target (4 x 6 with 32 registers, 4 x 3 with
+  16) over n-blocks that stay in L2; f16/bf16 weight rows are widened once per n-block into a
+  per-thread scratch. An accumulator wider than the target's vectors (the avx512 profile on an
+  AVX2 CPU) is summed one register-wide part at a time: each lane still adds its own products in
+  K order, so the parts are computed in turn and joined before the reduction.
 - ggml_vec_dot_f16/f32 otherwise: four accumulators over steps of 4 * lanes, GGML_F32_VEC_REDUCE,
   then the leftovers (into a double for f16; for f32 rounded products, then fmas for the last
   K % fused_tail); ggml_vec_dot_bf16: two vdpbf16ps accumulators over 64-wide steps, or four
   8-lane ones over 32, each reduced into the double, then the leftovers.
 
 b arrives already rounded to a's type (see MatPrep) unless a is f32. Threads split the
-(batch, 16-row block of M) units.
+(batch, 16-row block of M) units. `FloatTiles` chooses every size from the target and profile.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
@@ -24,12 +29,48 @@ from llamir.backends.llvm import vmath
 from llamir.backends.llvm.emit import F32, F64, Emitter, storage_type, vec
 from llamir.backends.llvm.plan import Kernel, Ref
 
-RM, RN = 4, 6
+RM = 4                  # weight rows per register tile (tinyBLAS needs M % 4 == 0)
 M_UNIT = 16
-L2_BUDGET = 1 << 20     # bytes of b rows kept hot per n-block
 PREP_LANES = 16         # MatPrep's conversion width (element-wise: any width gives the same bits)
-_EVEN = list(range(0, 32, 2))
-_ODD = list(range(1, 32, 2))
+
+
+@dataclass(frozen=True)
+class FloatTiles:
+    """Sizes of the float matmul loops for one target and profile (they change speed, never bits).
+
+    acc_lanes: lanes of one output's tinyBLAS accumulator (the profile's; 16 for vdpbf16ps);
+    width: of those, the lanes one register holds; parts = acc_lanes // width;
+    rn: b rows per register tile (RM weight rows); l2_budget: bytes of b rows per n-block;
+    dot_rows: weight rows sharing each b load in the vec_dot order."""
+
+    acc_lanes: int
+    width: int
+    rn: int
+    l2_budget: int
+    dot_rows: int
+
+    @property
+    def parts(self) -> int:
+        return self.acc_lanes // self.width
+
+
+def float_tiles(em: Emitter, a_dtype: str) -> FloatTiles:
+    """Tiles for the emitter's target: RM x rn accumulators of `parts` registers plus the loads
+    fit the register file (32 zmm/ymm with AVX-512, 16 ymm with AVX2)."""
+    dp = a_dtype == "bf16" and em.numerics.bf16_dot
+    acc = 16 if dp else em.numerics.lanes
+    target_lanes = em.target.lanes
+    regs = 32 if em.target.avx512 else 16
+    width = min(acc, target_lanes)
+    if regs == 32:
+        rn = 6
+    else:                       # 12 accumulators, 3 b registers, one a (ggml's 4 x 3 for AVX2)
+        rn = 2 if dp else 3
+    dot_lanes = 16 if dp else (8 if a_dtype == "bf16" else em.numerics.lanes)
+    dot_parts = max(1, -(-dot_lanes // target_lanes))
+    n_acc = 2 if dp else 4
+    dot_rows = next(r for r in (4, 2, 1) if r == 1 or (r + 1) * n_acc * dot_parts + 1 <= regs)
+    return FloatTiles(acc, width, rn, (1 << 20) if em.target.avx512 else (1 << 18), dot_rows)
 
 
 def _v(em: Emitter, ptr, off, dtype: str, lanes: int):
@@ -51,8 +92,10 @@ def ftz(em: Emitter, x):
 
 
 def dpbf16(em: Emitter, acc, a32, b32):
-    """vdpbf16ps on 32 bf16 values held as f32: lane j += a[2j+1]*b[2j+1], then += a[2j]*b[2j]."""
-    for lanes in (_ODD, _EVEN):
+    """vdpbf16ps on 2n bf16 values held as f32 (n = acc's lanes): lane j += a[2j+1]*b[2j+1], then
+    += a[2j]*b[2j]."""
+    span = a32.type.count
+    for lanes in (range(1, span, 2), range(0, span, 2)):
         x, y = em.shuffle(a32, None, lanes), em.shuffle(b32, None, lanes)
         acc = ftz(em, em.fma(ftz(em, x), ftz(em, y), acc))
     return acc
@@ -118,7 +161,9 @@ class MatMulFloat(Kernel):
     def _tiles(self, em: Emitter, A, B, Y, scratch, m0, m1, N, K, lda, ldb, ldy) -> None:
         widen = self.a_dtype != "f32"
         lanes = self.numerics.lanes
-        nb = em.max(RN * 4, em.min(512, em.mul(em.div(em.div(L2_BUDGET, em.mul(K, 4)), RN), RN)))
+        tiles = float_tiles(em, self.a_dtype)
+        rn = tiles.rn
+        nb = em.max(rn * 4, em.min(512, em.mul(em.div(em.div(tiles.l2_budget, em.mul(K, 4)), rn), rn)))
         with em.loop(0, N, nb, name="nb") as n0, em.loop(m0, m1, RM, name="mt") as mt:
             n1 = em.min(em.add(n0, nb), N)
             if widen:   # RM weight rows -> f32 scratch [RM][K]
@@ -130,38 +175,52 @@ class MatMulFloat(Kernel):
                 arow = [em.gep(scratch, em.mul(em.mul(i, K), 4)) for i in range(RM)]
             else:
                 arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
-            em.tiles(n0, n1, RN, lambda nt, rn: self._tile(em, arow, B, Y, mt, nt, rn, K, ldb, ldy), name="nt")
+            em.tiles(n0, n1, rn, lambda nt, n: self._tile(em, tiles, arow, B, Y, mt, nt, n, K, ldb, ldy), name="nt")
 
     def _asize(self) -> int:
         return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]
 
-    def _tile(self, em: Emitter, arow, B, Y, mt, nt, rn: int, K, ldb, ldy) -> None:
-        width = 16 if self._dp else self.numerics.lanes
-        kn = self._kn()
+    def _tile(self, em: Emitter, tiles: FloatTiles, arow, B, Y, mt, nt, rn: int, K, ldb, ldy) -> None:
+        """RM x rn outputs; each accumulator one register-wide part at a time (lanes
+        [p*width, (p+1)*width) see the same products in the same order as the whole vector would)."""
+        width, kn = tiles.width, self._kn()
+        span = 2 * width if self._dp else width      # inputs per part and k step
         zero = ir.Constant(vec(F32, width), [0.0] * width)
-        accs = [[em.var(vec(F32, width), zero) for _ in range(RM)] for _ in range(rn)]
         brow = [em.gep(B, em.mul(em.add(nt, j), ldb)) for j in range(rn)]
-        with em.loop(0, K, kn, name="k") as k:
-            av = [em.load(vec(F32, kn), arow[i], em.mul(k, 4)) for i in range(RM)]
-            for j in range(rn):
-                bv = _v(em, brow[j], em.mul(k, 4), "f32", kn)
+        parts: list[list[list[ir.Value]]] = [[[] for _ in range(RM)] for _ in range(rn)]
+        for p in range(tiles.parts):
+            accs = [[em.var(vec(F32, width), zero) for _ in range(RM)] for _ in range(rn)]
+            with em.loop(0, K, kn, name=f"k{p}") as k:
+                off = em.mul(em.add(k, p * span), 4)
+                # the shorter side stays in registers, the other is loaded per use (ggml's order)
+                bv = [em.load(vec(F32, span), brow[j], off) for j in range(rn)]
                 for i in range(RM):
-                    acc = em.get(accs[j][i])
-                    em.set(accs[j][i], dpbf16(em, acc, av[i], bv) if self._dp else em.fma(av[i], bv, acc))
+                    av = em.load(vec(F32, span), arow[i], off)
+                    for j in range(rn):
+                        acc = em.get(accs[j][i])
+                        em.set(accs[j][i], dpbf16(em, acc, av, bv[j]) if self._dp else em.fma(av, bv[j], acc))
+            for j in range(rn):
+                for i in range(RM):
+                    parts[j][i].append(em.get(accs[j][i]))
         for j in range(rn):
             for i in range(RM):
+                whole = parts[j][i][0]
+                for part in parts[j][i][1:]:
+                    whole = em.concat(whole, part)
                 out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
-                em.store(em.reduce_add_tree(em.get(accs[j][i])), Y, out)
+                em.store(em.reduce_add_tree(whole), Y, out)
 
     # -- ggml_vec_dot order --------------------------------------------------------------------
     def _vec_dots(self, em: Emitter, A, B, Y, m0, m1, N, K, lda, ldb, ldy) -> None:
+        rows = float_tiles(em, self.a_dtype).dot_rows
         with em.loop(0, N, name="n") as n:
             brow = em.gep(B, em.mul(n, ldb))
-            full = em.add(m0, em.mul(em.div(em.sub(m1, m0), 4), 4))
-            with em.loop(m0, full, 4, name="m4") as m:
-                self._dots(em, A, brow, Y, n, m, 4, K, lda, ldy)
-            with em.loop(full, m1, name="m1") as m:
-                self._dots(em, A, brow, Y, n, m, 1, K, lda, ldy)
+            full = em.add(m0, em.mul(em.div(em.sub(m1, m0), rows), rows))
+            with em.loop(m0, full, rows, name=f"m{rows}") as m:
+                self._dots(em, A, brow, Y, n, m, rows, K, lda, ldy)
+            if rows > 1:
+                with em.loop(full, m1, name="m1") as m:
+                    self._dots(em, A, brow, Y, n, m, 1, K, lda, ldy)
 
     def _dots(self, em: Emitter, A, brow, Y, n, m, rows: int, K, lda, ldy) -> None:
         arows = [em.gep(A, em.mul(em.add(m, r), lda)) for r in range(rows)]

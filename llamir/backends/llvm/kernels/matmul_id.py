@@ -5,7 +5,7 @@ for floats: mul_mat_id never goes to tinyBLAS; the exact orders for the block ty
 from __future__ import annotations
 
 from llamir.backends.llvm.emit import I32, Emitter
-from llamir.backends.llvm.kernels.matmul_float import vec_dot_rows
+from llamir.backends.llvm.kernels.matmul_float import float_tiles, vec_dot_rows
 from llamir.backends.llvm.kernels.matmul_quant import MatMulQDirect
 from llamir.backends.llvm.kernels.quant_act import act_layout
 from llamir.backends.llvm.kernels.repack import QFormat
@@ -56,10 +56,11 @@ class MatMulId(Kernel):
                     report_error(em, a.frame, ERR_INDEX, e, site)
 
     def _row(self, em: Emitter, W, w_row, brow, yrow, M) -> None:
-        if self.fmt is None:   # ggml_vec_dot_f16/f32 per output, four weight rows at a time
+        if self.fmt is None:   # ggml_vec_dot_f16/f32 per output, weight rows sharing each b load
             size = {"f32": 4, "f16": 2}[self.w_dtype]
-            full = em.mul(em.div(M, 4), 4)
-            for start, stop, n in ((0, full, 4), (full, M, 1)):
+            rows = float_tiles(em, self.w_dtype).dot_rows
+            full = em.mul(em.div(M, rows), rows)
+            for start, stop, n in ((0, full, rows), (full, M, 1)):
                 with em.loop(start, stop, n, name=f"m{n}") as m:
                     rows = [em.gep(W, em.mul(em.add(m, r), w_row)) for r in range(n)]
                     totals = vec_dot_rows(em, rows, self.w_dtype, brow, "f32", self.K, size, 4)
