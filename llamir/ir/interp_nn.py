@@ -147,13 +147,32 @@ def _set_rows(ctx, node, args, bindings):
 
 # -- rope ----------------------------------------------------------------------------------
 def rope_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float):
-    """ggml_rope_yarn_corr_dims, in f32 like ggml."""
-    def corr_dim(n_rot: float) -> float:
-        return float(f32(n_dims) * f32(math.log(f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(math.pi))))
-                     / (f32(2) * f32(math.log(f32(freq_base)))))
-    start = math.floor(corr_dim(beta_fast))
-    end = math.ceil(corr_dim(beta_slow))
-    return max(0.0, start), min(n_dims - 1.0, end)
+    """ggml_rope_yarn_corr_dims, in f32 like ggml: a base <= 1 or a context <= 0 gives C's infinities
+    and NaNs (logf(0) = -inf, x / 0), and ggml's MAX/MIN macros let a NaN through."""
+    def logf(x: np.float32) -> np.float32:
+        if x > 0 and math.isfinite(x):
+            return f32(math.log(x))
+        with np.errstate(all="ignore"):
+            return np.log(x)
+
+    def corr_dim(n_rot: float) -> np.float32:
+        with np.errstate(all="ignore"):
+            ratio = f32(n_ctx_orig) / (f32(n_rot) * f32(2) * f32(math.pi))
+            return f32(n_dims) * logf(ratio) / (f32(2) * logf(f32(freq_base)))
+    start, end = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
+    low = 0.0 if 0 > start else float(start)                        # MAX(0, start)
+    high = n_dims - 1.0 if n_dims - 1 < end else float(end)         # MIN(n_dims - 1, end)
+    return low, high
+
+
+def rope_yarn_ramp_mix(op: ops.RopeExt) -> np.ndarray:
+    """rope_yarn_ramp(low, high, i0) * ext_factor for each of the n_dims/2 pairs (NaNs as C's MAX/MIN)."""
+    low, high = rope_corr_dims(op.n_dims, op.n_ctx_orig, op.freq_base, op.beta_fast, op.beta_slow)
+    with np.errstate(all="ignore"):
+        span = f32(high) - f32(low)
+        span = f32(0.001) if f32(0.001) > span else span             # MAX(0.001f, high - low)
+        y = (np.arange(op.n_dims // 2, dtype=f32) - f32(low)) / span
+        return (f32(1) - np.minimum(f32(1), np.maximum(f32(0), y))) * f32(op.ext_factor)
 
 
 def rope_cos_sin(op: ops.RopeExt, pos: np.ndarray, freq_factors: np.ndarray | None):
@@ -170,9 +189,7 @@ def rope_cos_sin(op: ops.RopeExt, pos: np.ndarray, freq_factors: np.ndarray | No
     theta_interp = f32(op.freq_scale) * thetas
     mscale = f32(op.attn_factor)
     if op.ext_factor != 0.0:  # rope_yarn; GCC fuses the first product of the mix into an fma
-        low, high = rope_corr_dims(op.n_dims, op.n_ctx_orig, op.freq_base, op.beta_fast, op.beta_slow)
-        y = (np.arange(half, dtype=f32) - f32(low)) / f32(max(0.001, high - low))
-        ramp_mix = (f32(1) - np.minimum(f32(1), np.maximum(f32(0), y))) * f32(op.ext_factor)
+        ramp_mix = rope_yarn_ramp_mix(op)
         theta_interp = ggml_math.fma(theta_interp, f32(1) - ramp_mix, thetas * ramp_mix)
         mscale = mscale * ggml_math.fma(f32(0.1), ggml_math.logf(f32(1) / f32(op.freq_scale)), f32(1))[0]
     return ggml_math.cosf(theta_interp) * mscale, ggml_math.sinf(theta_interp) * mscale

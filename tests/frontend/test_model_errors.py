@@ -300,3 +300,26 @@ def test_nan_rope_freq_base_loads_and_decodes_to_nan_as_in_llama_cpp(seeds, tmp_
     with np.errstate(invalid="ignore"):
         assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3])) == 0, ctx.last_error
     assert np.isnan(ctx.get_logits()).all()
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("edit", ["base-1", "base-0.5", "orig-ctx-0"])
+def test_degenerate_yarn_hparams_decode_as_in_llama_cpp(edit, tmp_path):
+    """YaRN with a rope base <= 1 or an original context of 0: ggml's corr dims take logf(1) = 0 as
+    a divisor, or logf(0) = -inf, and decode on (C's infinities, NaN through its MAX/MIN macros);
+    llamir computed them with math.log and raised ValueError / ZeroDivisionError inside decode."""
+    spec = SynthSpec(arch="llama", n_layer=1, rope_scaling="yarn",
+                     rope_base={"base-1": 1.0, "base-0.5": 0.5}.get(edit, 10000.0))
+    path = write_model(tmp_path / "seed.gguf", spec)
+    if edit == "orig-ctx-0":
+        g = craft.parse(path.read_bytes())
+        g.set("llama.rope.scaling.original_context_length", craft.U32, struct.pack("<I", 0))
+        path.write_bytes(g.to_bytes())
+    oracle = llama_cpp_load(path, decode=True)
+    assert oracle.loaded and oracle.decode_rc == 0, oracle
+    model = load_model(path)
+    for backend in ("numpy", "llvm"):
+        ctx = llamir.Context(model, n_ctx=64, n_batch=8, backend=backend)
+        with np.errstate(all="ignore"):
+            assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3])) == 0, ctx.last_error
+        assert np.isfinite(ctx.get_logits()).all() == oracle.finite_logits, backend

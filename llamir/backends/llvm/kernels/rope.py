@@ -17,21 +17,18 @@ from llamir.backends.llvm.emit import F32, I32, Emitter
 from llamir.backends.llvm.kernels.rows import _const_table
 from llamir.backends.llvm.plan import Kernel, Ref
 from llamir.ir import ggml_math, ops
-from llamir.ir.interp_nn import rope_corr_dims
+from llamir.ir.interp_nn import rope_yarn_ramp_mix
 
 f32 = np.float32
 
 
 def rope_constants(op: ops.RopeExt) -> tuple[float, tuple[float, ...] | None, float]:
     """(theta_scale, per-pair YaRN ramp mix or None, mscale), as the reference computes them."""
-    half = op.n_dims // 2
     theta_scale = float(f32(ggml_math.powf(f32(op.freq_base), f32(-2.0) / f32(op.n_dims))))
     mscale = f32(op.attn_factor)
     ramp = None
     if op.ext_factor != 0.0:
-        low, high = rope_corr_dims(op.n_dims, op.n_ctx_orig, op.freq_base, op.beta_fast, op.beta_slow)
-        y = (np.arange(half, dtype=f32) - f32(low)) / f32(max(0.001, high - low))
-        ramp = tuple(float(v) for v in (f32(1) - np.minimum(f32(1), np.maximum(f32(0), y))) * f32(op.ext_factor))
+        ramp = tuple(float(v) for v in rope_yarn_ramp_mix(op))
         mscale = mscale * ggml_math.fma(f32(0.1), ggml_math.logf(f32(1) / f32(op.freq_scale)), f32(1))[0]
     return theta_scale, ramp, float(f32(mscale))
 
