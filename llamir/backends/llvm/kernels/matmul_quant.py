@@ -5,13 +5,19 @@ RN (all tokens stay in L2 in n-blocks), and for each block of K it unpacks the 1
 once, then for each token of the tile does C int8 dot products (vpdpbusd: unsigned weights x
 signed activations, 4 values per lane, lanes = rows) and the float accumulation of the format's
 order. Weights are read once per n-block; token generation is one streaming pass.
+
+Without AVX512-VNNI the same layout is read as two 8-row halves in 256-bit vectors (int_dot.py:
+vpmaddubsw + vpmaddwd, or AVX-VNNI's vpdpbusd), with tiles sized for 16 ymm registers.
 """
 
 from __future__ import annotations
 
+import functools
+
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F16, F32, I8, I32, Emitter, vec
+from llamir.backends.llvm.emit import F16, F32, I8, I16, I32, Emitter, vec
+from llamir.backends.llvm.kernels import int_dot
 from llamir.backends.llvm.kernels.quant_act import act_layout
 from llamir.backends.llvm.kernels.repack import G, QFormat
 from llamir.backends.llvm.plan import Kernel
@@ -51,13 +57,16 @@ class MatMulQ(Kernel):
         nb, _, _, _, row_bytes = act_layout(self.fmt, self.K)
         groups = em.cdiv(M, G)
         g0, g1 = em.split(groups, a.ith, a.nth)
-        n_block = max(self.rn, (L2_BUDGET // row_bytes) // self.rn * self.rn)
+        wide = em.target.vnni512
+        rn = self.rn if wide else tile_tokens_256(self.fmt)
+        tile = self._tile if wide else functools.partial(tile_256, self.fmt, self.K)
+        n_block = max(rn, (L2_BUDGET // row_bytes) // rn * rn)
         with em.loop(0, N, n_block, name="nb") as n0, em.loop(g0, g1, name="grp") as g:
             n1 = em.min(em.add(n0, n_block), N)
             wg = em.gep(w_ptr, em.mul(g, nb * self.fmt.block_bytes))
             valid = em.min(em.sub(M, em.mul(g, G)), G)
-            em.tiles(n0, n1, self.rn, lambda nt, rn: self._tile(em, wg, x_ptr, y_ptr, g, nt, rn, M, valid, nb,
-                                                                 row_bytes), name="nt")
+            em.tiles(n0, n1, rn, lambda nt, r: tile(em, wg, x_ptr, y_ptr, g, nt, r, M, valid, nb, row_bytes),
+                     name="nt")
 
     # -- one tile: 16 rows x rn tokens -------------------------------------------------------------
     def _tile(self, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int, M, valid, nb: int, row_bytes: int) -> None:
@@ -141,29 +150,196 @@ class MatMulQ(Kernel):
         return em.b.bitcast(em.splat(em.load(I32, xq, off), G), vec(I8, 64))
 
 
+# -- the packed kernel on 256-bit vectors (AVX2, AVX-VNNI) ---------------------------------------------
+H = 8    # rows per half-group: one 8-lane vector
+
+
+def tile_tokens_256(fmt: QFormat) -> int:
+    """Tokens per tile on 16 ymm registers: "block" keeps one accumulator per (half, token) and the
+    half's 8 weight chunks; "lanes8" needs 8 accumulators per token, so one token at a time."""
+    return 4 if fmt.order == "block" else 1
+
+
+def tile_256(fmt: QFormat, K: int, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int, M, valid, nb: int,
+             row_bytes: int) -> None:
+    """16 rows x rn tokens as two 8-row halves: "block" runs both halves in one pass over K (the
+    int16 sums of a half's 8 chunks fit, 4-bit values); "lanes8" runs one half at a time."""
+    rows = [em.gep(x_ptr, em.mul(em.add(nt, j), row_bytes)) for j in range(rn)]
+    out = _Out256(em, y_ptr, g, nt, M, valid)
+    if fmt.order == "block":
+        _block_order_256(fmt, K, em, wg, rows, out, nb)
+    else:
+        for h in range(2):
+            _lanes8_half_256(fmt, K, em, wg, rows, out, nb, h)
+
+
+class _Out256:
+    """Stores one half's 8 outputs of token j, masked where the group runs past M."""
+
+    def __init__(self, em: Emitter, y_ptr, g, nt, M, valid):
+        self.em, self.y_ptr, self.g, self.nt, self.M, self.valid = em, y_ptr, g, nt, M, valid
+
+    def store(self, h: int, j: int, total) -> None:
+        em = self.em
+        off = em.add(em.mul(em.add(self.nt, j), em.mul(self.M, 4)), em.add(em.mul(self.g, G * 4), 4 * H * h))
+        left = em.sub(self.valid, H * h)
+        with em.if_else(em.icmp(">=", left, H)) as (then, otherwise):
+            with then:
+                em.store(total, self.y_ptr, off)
+            with otherwise:
+                em.masked_store(total, self.y_ptr, off, em.lane_mask(H, left))
+
+
+def _half_chunks(em: Emitter, fmt: QFormat, wb, h: int) -> list:
+    """The C chunks (32 bytes: 8 rows x 4 values) of half h of one (group, block)."""
+    v8 = int_dot.V32I8
+    if fmt.packing == "byte":
+        return [em.load(v8, wb, 64 * c + 32 * h) for c in range(fmt.chunks)]
+    b = em.b
+    lo, hi = [], []
+    for v in range(fmt.chunks // 2):
+        raw = em.load(v8, wb, 64 * v + 32 * h)
+        lo.append(b.and_(raw, ir.Constant(v8, [0x0F] * 32)))
+        hi.append(b.lshr(raw, ir.Constant(v8, [4] * 32)))
+    return lo + hi
+
+
+def _half_f16(em: Emitter, wb, off: int, h: int):
+    return em.b.fpext(em.load(vec(F16, H), wb, off + 2 * H * h), vec(F32, H))
+
+
+def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int) -> None:
+    b = em.b
+    _, off_d, _, off_corr, _ = act_layout(fmt, K)
+    vf = vec(F32, H)
+    accs = [[em.var(vf, ir.Constant(vf, [0.0] * H)) for _ in rows] for _ in range(2)]
+    with em.loop(0, nb, name="blk") as k:
+        wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+        dx = [em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), H) for xr in rows]
+        for h in range(2):
+            chunks = _half_chunks(em, fmt, wb, h)
+            ws = _half_f16(em, wb, fmt.quant_bytes, h)
+            for j, xr in enumerate(rows):
+                xq = em.gep(xr, em.mul(k, fmt.bs))
+                corr = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(k, 4))), H, I32)
+                pairs = [(w, int_dot.bcast4(em, xq, 4 * c)) for c, w in enumerate(chunks)]
+                isum = int_dot.dot4_sum(em, corr, pairs)
+                em.set(accs[h][j], em.fma(b.sitofp(isum, vf), b.fmul(dx[j], ws), em.get(accs[h][j])))
+    for h in range(2):
+        for j in range(len(rows)):
+            out.store(h, j, em.get(accs[h][j]))
+
+
+def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int, h: int) -> None:
+    b = em.b
+    _, off_d, off_aux, off_corr, _ = act_layout(fmt, K)
+    vf, vi = vec(F32, H), vec(I32, H)
+    zero = ir.Constant(vf, [0.0] * H)
+    accs = [[em.var(vf, zero) for _ in range(fmt.chunks)] for _ in rows]
+    mins = [em.var(vf, zero) for _ in rows] if fmt.min else []
+    izero = ir.Constant(vi, [0] * H)
+    with em.loop(0, nb, name=f"blk{h}") as k:
+        wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+        ws = _half_f16(em, wb, fmt.quant_bytes, h)
+        wm = _half_f16(em, wb, fmt.quant_bytes + fmt.scale_bytes, h) if fmt.min else None
+
+        def lanes(j: int, xr, chunk_dot):
+            dx = em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), H)
+            scale = b.fmul(dx, ws)
+            for c in range(fmt.chunks):
+                p = chunk_dot(j, xr, c)
+                em.set(accs[j][c], em.fma(scale, b.sitofp(p, vf), em.get(accs[j][c])))
+
+        if fmt.corr == "abs":
+            _signed_lanes(em, fmt, wb, h, k, rows, off_corr, lanes)
+        else:
+            chunks = _half_chunks(em, fmt, wb, h)
+            for j, xr in enumerate(rows):
+                def dot(j, xr, c, chunks=chunks):
+                    init = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(em.add(em.mul(k, fmt.chunks), c), 4))),
+                                    H, I32) if fmt.corr == "chunk" else izero
+                    return int_dot.dot4(em, init, chunks[c], int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c))
+                lanes(j, xr, dot)
+        if wm is not None:
+            for j, xr in enumerate(rows):
+                aux = em.splat(em.load(F32, xr, em.add(off_aux, em.mul(k, 4))), H)
+                em.set(mins[j], em.fma(wm, aux, em.get(mins[j])))
+    for j in range(len(rows)):
+        a_ = [em.get(x) for x in accs[j]]
+        total = b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
+                       b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7])))
+        if mins:
+            total = b.fadd(total, em.get(mins[j]))
+        out.store(h, j, total)
+
+
+def _signed_lanes(em: Emitter, fmt: QFormat, wb, h: int, k, rows: list, off_abs: int, lanes) -> None:
+    """Signed Q8_0 chunks: the sign trick with |x| from the activation row, or, for a block flagged
+    as holding a -128 weight, int32 products."""
+    flag = em.load(I32, wb, fmt.quant_bytes + fmt.scale_bytes)
+    chunks = [em.load(int_dot.V32I8, wb, 64 * c + 32 * h) for c in range(fmt.chunks)]
+
+    def signed(j, xr, c):
+        x = int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c)
+        x_abs = int_dot.bcast4(em, em.gep(xr, em.add(off_abs, em.mul(k, 32))), 4 * c)
+        return int_dot.chunk_dot_signed(em, chunks[c], x, x_abs)
+
+    def wide(j, xr, c):
+        return int_dot.chunk_dot_wide(em, chunks[c], int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c))
+
+    with em.if_else(em.b.icmp_signed("==", flag, ir.Constant(I32, 0))) as (then, otherwise):
+        with then:
+            for j, xr in enumerate(rows):
+                lanes(j, xr, signed)
+        with otherwise:
+            for j, xr in enumerate(rows):
+                lanes(j, xr, wide)
+
+
 # -- quantized operands that are not packed weights (KV cache views, batched tensors) ------------------
 _BLOCK = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4), "q5_0": (22, 6), "q5_1": (24, 8)}
 
 
-def _block_values(em: Emitter, dtype: str, blk):
-    """The 32 signed integer values of a raw ggml block as <32 x i32>, element order."""
+def _block_lanes(em: Emitter, dtype: str, blk, x):
+    """vec_dot's 8 int32 lanes (sum of 4 consecutive products) of a raw ggml block against the 32
+    activation bytes x, exact for every byte: unsigned 4/5-bit values with their offset undone on
+    x's side, Q8_0 through int16 products without VNNI (a -128 defeats the sign trick)."""
     b = em.b
-    v32 = vec(I32, 32)
     if dtype == "q8_0":
-        return b.sext(em.load(vec(I8, 32), blk, 2), v32)
-    size, qs = _BLOCK[dtype]
-    raw = b.zext(em.load(vec(I8, 16), blk, qs), vec(I32, 16))
-    lo = b.and_(raw, ir.Constant(vec(I32, 16), [15] * 16))
-    hi = b.lshr(raw, ir.Constant(vec(I32, 16), [4] * 16))
-    q = em.concat(lo, hi)
+        w = em.load(int_dot.V32I8, blk, 2)
+        if em.target.vnni:
+            unsigned = b.xor(w, ir.Constant(int_dot.V32I8, [0x80] * 32))
+            return b.sub(int_dot.dot4(em, ir.Constant(int_dot.V8I32, [0] * 8), unsigned, x), _offset_lanes(em, 128, x))
+        return _wide_lanes(em, w, x)
+    _, qs = _BLOCK[dtype]
+    raw = em.load(vec(I8, 16), blk, qs)
+    q = b.and_(em.concat(raw, b.lshr(raw, ir.Constant(vec(I8, 16), [4] * 16))), ir.Constant(int_dot.V32I8, [15] * 32))
     if dtype in ("q5_0", "q5_1"):
-        qh = em.load(I32, blk, 2 if dtype == "q5_0" else 4)
-        bits = b.and_(b.lshr(em.splat(qh, 32, I32), ir.Constant(v32, list(range(32)))), ir.Constant(v32, [1] * 32))
-        q = b.or_(q, b.shl(bits, ir.Constant(v32, [4] * 32)))
+        qh = b.bitcast(em.load(I32, blk, 2 if dtype == "q5_0" else 4), vec(I8, 4))
+        spread = em.shuffle(qh, None, [i // 8 for i in range(32)])
+        bit = ir.Constant(int_dot.V32I8, [1 << (i % 8) for i in range(32)])
+        high = b.select(b.icmp_unsigned("!=", b.and_(spread, bit), ir.Constant(int_dot.V32I8, [0] * 32)),
+                        ir.Constant(int_dot.V32I8, [16] * 32), ir.Constant(int_dot.V32I8, [0] * 32))
+        q = b.or_(q, high)
+    lanes = int_dot.dot4(em, ir.Constant(int_dot.V8I32, [0] * 8), q, x)
     offset = {"q4_0": 8, "q5_0": 16}.get(dtype, 0)
-    if offset:
-        q = b.sub(q, ir.Constant(v32, [offset] * 32))
-    return q
+    return b.sub(lanes, _offset_lanes(em, offset, x)) if offset else lanes
+
+
+def _offset_lanes(em: Emitter, offset: int, x):
+    """offset * (sum of each 4 consecutive x), as int32 lanes."""
+    return int_dot.dot4(em, ir.Constant(int_dot.V8I32, [0] * 8), ir.Constant(int_dot.V32I8, [offset] * 32), x)
+
+
+def _wide_lanes(em: Emitter, w, x):
+    """4-value lanes of signed w . signed x through vpmaddwd on int16 values."""
+    b = em.b
+    w16, x16 = b.sext(w, vec(I16, 32)), b.sext(x, vec(I16, 32))
+    pairs = [em.intrinsic("llvm.x86.avx2.pmadd.wd", int_dot.V8I32, [em.shuffle(w16, None, range(16 * h, 16 * h + 16)),
+                                                                     em.shuffle(x16, None, range(16 * h, 16 * h + 16))])
+             for h in range(2)]
+    both = em.concat(*pairs)
+    return b.add(em.shuffle(both, None, range(0, 16, 2)), em.shuffle(both, None, range(1, 16, 2)))
 
 
 class MatMulQDirect(Kernel):
@@ -215,13 +391,7 @@ class MatMulQDirect(Kernel):
         has_min = self.dtype in ("q4_1", "q5_1")
         with em.loop(0, nb, name="blk") as k:
             blk = em.gep(arow, em.mul(k, bsize))
-            w = _block_values(em, self.dtype, blk)
-            x = b.sext(em.load(vec(I8, 32), xrow, em.mul(k, 32)), vec(I32, 32))
-            prod = b.mul(w, x)
-            lanes = prod
-            for t in range(4):
-                part = em.shuffle(prod, None, range(t, 32, 4))
-                lanes = part if t == 0 else b.add(lanes, part)
+            lanes = _block_lanes(em, self.dtype, blk, em.load(int_dot.V32I8, xrow, em.mul(k, 32)))
             d_w = b.fpext(em.load(F16, blk, 0), F32)
             d_x = em.load(F32, xrow, em.add(off_d, em.mul(k, 4)))
             scale = b.fmul(d_x, d_w)

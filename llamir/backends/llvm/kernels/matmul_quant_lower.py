@@ -13,15 +13,15 @@ from llamir.backends.llvm.plan import Buffer, Part
 from llamir.ir import Node
 
 
-def _packable(node: Node) -> QFormat | KFormat | None:
-    """The packed format of a 2-D weight (what ggml would offer CPU_REPACK), or None."""
+def _packable(node: Node, target) -> QFormat | KFormat | None:
+    """The packed format of a 2-D weight (what ggml would offer CPU_REPACK) for `target`, or None."""
     a = node.inputs[0]
     if a.kind != "weight" or not a.type.is_concrete or any(d != 1 for d in a.type.shape[:-2]):
         return None
     m_rows, k = a.type.shape[-2], a.type.shape[-1]
     if a.dtype.name in K_FORMATS:
         return K_FORMATS[a.dtype.name] if k % 256 == 0 else None
-    fmt = weight_format(a.dtype.name, m_rows)
+    fmt = weight_format(a.dtype.name, m_rows, vnni=target.vnni)
     if fmt is None or k % 32:
         return None
     return fmt
@@ -31,7 +31,7 @@ DIRECT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 def quant_supported(node: Node, target) -> bool:
-    if _packable(node) is not None:
+    if _packable(node, target) is not None:
         return True
     a = node.inputs[0]
     k = a.type.shape[-1]
@@ -84,7 +84,7 @@ def packed_buffer(L: Lowerer, leaf: Node, fmt: QFormat | KFormat) -> Buffer:
 
 
 def lower_quant_matmul(L: Lowerer, node: Node) -> None:
-    fmt = _packable(node)
+    fmt = _packable(node, L.target)
     if fmt is None:
         _lower_direct(L, node)
         return

@@ -5,7 +5,8 @@ in the layout the packed matmul reads. One row of K values becomes:
     qs    K int8                        (at 0)
     d     nb float32: the block scale the dot product uses (fp16-rounded for q8_0/q8_1)
     aux   nb float32: q8_1's fp16 s = d*sum(q); for q8_K, d * sum of the (sub-)block's q
-    corr  nb*C int32: -offset * sum of each chunk (C = bs/4) or block (C = 1) of q, or nothing
+    corr  nb*C int32: -offset * sum of each chunk (C = bs/4) or block (C = 1) of q, or nothing;
+          for signed weights without VNNI ("abs"), K bytes |q| (vpmaddubsw's unsigned operand)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def act_layout(fmt: QFormat, K: int) -> tuple[int, int, int, int, int]:
     off_d = K
     off_aux = off_d + 4 * nb
     off_corr = off_aux + 4 * nb
-    row = off_corr + 4 * c * nb
+    row = off_corr + (K if fmt.corr == "abs" else 4 * c * nb)
     return nb, off_d, off_aux, off_corr, -(-row // 64) * 64
 
 
@@ -104,14 +105,19 @@ class QuantAct(Kernel):
             if self.fmt.vdt == "q8_1":
                 s = b.fmul(b.sitofp(em.get(total), F32), d)
                 em.store(b.fpext(b.fptrunc(s, F16), F32), dst, em.add(off_aux, em.mul(k, 4)))
-            self._corrections(em, dst, k, base, off_corr, em.get(total))
+            self._corrections(em, dst, k, base, off_corr)
 
-    def _corrections(self, em: Emitter, dst, k, base, off_corr, block_sum) -> None:
+    def _corrections(self, em: Emitter, dst, k, base, off_corr) -> None:
         b = em.b
         fmt = self.fmt
         neg = ir.Constant(I32, -fmt.offset)
-        if fmt.corr == "block":
-            em.store(b.mul(block_sum, neg), dst, em.add(off_corr, em.mul(k, 4)))
+        if fmt.corr == "abs":
+            q = em.load(vec(I8, 32), dst, base)
+            em.store(b.select(b.icmp_signed("<", q, ir.Constant(vec(I8, 32), [0] * 32)), b.neg(q), q),
+                     dst, em.add(off_corr, base))
+        elif fmt.corr == "block":    # from the stored bytes: a NaN's -128, not q8_1's integer indefinite
+            stored = em.reduce_int_add(b.sext(em.load(vec(I8, fmt.bs), dst, base), vec(I32, fmt.bs)))
+            em.store(b.mul(stored, neg), dst, em.add(off_corr, em.mul(k, 4)))
         elif fmt.corr == "chunk":
             with em.loop(0, fmt.chunks, name="chunk") as c:
                 s = ir.Constant(I32, 0)
@@ -149,7 +155,7 @@ class QuantAct(Kernel):
                     em.set(total, b.add(em.get(total), q))
                 em.store(d, dst, em.add(off_d, em.mul(k, 4)))
                 em.store(b.fmul(d, b.sitofp(em.get(total), F32)), dst, em.add(off_aux, em.mul(k, 4)))
-                self._corrections(em, dst, k, sub, off_corr, em.get(total))
+                self._corrections(em, dst, k, sub, off_corr)
 
 
 # -- Q8_K rows for the K-quant kernels (matmul_quant_k.py) ----------------------------------------------

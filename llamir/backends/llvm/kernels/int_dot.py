@@ -1,0 +1,82 @@
+"""Exact int8 dot products of 4-value chunks on 256-bit vectors, for CPUs with or without VNNI.
+
+Each int32 lane l of a result is sum_{t<4} a[4l+t] * b[4l+t] (a unsigned bytes, b signed), the
+lanes of vpdpbusd. With AVX-VNNI (or AVX512-VNNI+VL) that is one vpdpbusd; on plain AVX2 it is
+vpmaddubsw (pairs into saturating int16) + vpmaddwd with ones. The AVX2 form is exact only while
+each pair |a0*b0 + a1*b1| <= 32767, which every caller here guarantees (a <= 31 for the 4- and
+5-bit types, or |w| against a sign-moved activation, see chunk_dot_signed).
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from llamir.backends.llvm.emit import I8, I16, I32, Emitter, vec
+
+V32I8, V16I16, V8I32 = vec(I8, 32), vec(I16, 16), vec(I32, 8)
+
+
+def maddubs(em: Emitter, a_u8, b_s8):
+    """vpmaddubsw: int16 lane i = a[2i]*b[2i] + a[2i+1]*b[2i+1] (saturating)."""
+    return em.intrinsic("llvm.x86.avx2.pmadd.ub.sw", V16I16, [a_u8, b_s8])
+
+
+def madd_pairs(em: Emitter, p16):
+    """vpmaddwd with ones: int32 lane l = p[2l] + p[2l+1]."""
+    return em.intrinsic("llvm.x86.avx2.pmadd.wd", V8I32, [p16, ir.Constant(V16I16, [1] * 16)])
+
+
+def sign_of(em: Emitter, a_s8, b_s8):
+    """vpsignb: a negated where b < 0, zero where b == 0."""
+    return em.intrinsic("llvm.x86.avx2.psign.b", V32I8, [a_s8, b_s8])
+
+
+def dot4(em: Emitter, acc, a_u8, b_s8):
+    """acc + the 4-value lanes of a_u8 . b_s8 (pairs within int16 on AVX2, see the module)."""
+    if em.target.vnni:
+        return em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, a_u8, b_s8])
+    total = madd_pairs(em, maddubs(em, a_u8, b_s8))
+    return total if _is_zero(acc) else em.b.add(acc, total)
+
+
+def dot4_sum(em: Emitter, acc, pairs: list):
+    """acc + the 4-value lanes of sum over (a_u8, b_s8) in pairs: one vpdpbusd chain with VNNI,
+    else the vpmaddubsw results summed in int16 first (callers keep the int16 sum in range: at
+    most 8 chunks of 4-bit values against int8)."""
+    if em.target.vnni:
+        for a, x in pairs:
+            acc = em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, a, x])
+        return acc
+    s16 = None
+    for a, x in pairs:
+        p = maddubs(em, a, x)
+        s16 = p if s16 is None else em.b.add(s16, p)
+    total = madd_pairs(em, s16)
+    return total if _is_zero(acc) else em.b.add(acc, total)
+
+
+def chunk_dot_signed(em: Emitter, w_s8, x_s8, x_abs):
+    """The 4-value lanes of signed w . signed x on AVX2: vpmaddubsw(|x|, sign(w, x)). Exact except
+    for w = -128 against x < 0 (sign(w) cannot hold +128): callers route such blocks elsewhere."""
+    return madd_pairs(em, maddubs(em, x_abs, sign_of(em, w_s8, x_s8)))
+
+
+def chunk_dot_wide(em: Emitter, w_s8, x_s8):
+    """The 4-value lanes of signed w . signed x through int32 products: exact for every byte."""
+    b = em.b
+    wide = vec(I32, 32)
+    prod = b.mul(b.sext(w_s8, wide), b.sext(x_s8, wide))
+    total = None
+    for t in range(4):
+        part = em.shuffle(prod, None, range(t, 32, 4))
+        total = part if total is None else b.add(total, part)
+    return total
+
+
+def bcast4(em: Emitter, ptr, off):
+    """The 4 bytes at ptr + off repeated over 32 bytes (one vpbroadcastd from memory)."""
+    return em.b.bitcast(em.splat(em.load(I32, ptr, off), 8, I32), V32I8)
+
+
+def _is_zero(v) -> bool:
+    return isinstance(v, ir.Constant) and isinstance(v.constant, list) and not any(v.constant)

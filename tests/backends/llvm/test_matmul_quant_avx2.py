@@ -1,0 +1,184 @@
+"""The legacy quantized matmuls (q4_0, q4_1, q5_0, q5_1, q8_0) on 256-bit targets against the numpy
+reference, bit for bit: AVX2 only (vpmaddubsw + vpmaddwd, Zen 3) and AVX2 + AVX-VNNI (vpdpbusd on
+ymm), in both numerics profiles: packed weights, quantized KV caches (MatMulQDirect) and experts.
+Corner bytes included: q8_0 weights of -128 (the one value the sign trick cannot take) and NaN
+activations (which quantize to -128)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_ops_matmul_quant import rows, weight  # the same weights and activations as the host's tests
+
+from llamir.backends.llvm import LLVMBackend
+from llamir.backends.llvm.target import host_target, restricted_target
+from llamir.ir import F32, I32, GraphBuilder, dtype_named, run_graph
+
+f32 = np.float32
+LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
+ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 64)
+HOST_AVXVNNI = host_target().has("avxvnni")
+_BACKENDS: dict = {}
+
+
+def isa_target(isa: str):
+    """"avx2": Zen 3 (no AVX-512, no VNNI); "avxvnni": AVX2 with AVX-VNNI (needs a host that has it)."""
+    disable = ("avx512", "avxvnni") if isa == "avx2" else ("avx512",)
+    return restricted_target(host_target(), disable)
+
+
+def backend(profile: str, isa: str) -> LLVMBackend:
+    if isa == "avxvnni" and not HOST_AVXVNNI:
+        pytest.skip("the host has no AVX-VNNI (its code generation is checked by test_avxvnni_codegen)")
+    key = (profile, isa)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = LLVMBackend(n_threads=2, disk_cache=False, numerics=profile, target=isa_target(isa))
+    return _BACKENDS[key]
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(11)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_backends():
+    yield
+    for b in _BACKENDS.values():
+        b.close()
+    _BACKENDS.clear()
+
+
+def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    canon = f32(np.nan)
+    got, want = np.where(np.isnan(got), canon, got), np.where(np.isnan(want), canon, want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape)
+    differ = got.view(np.uint32) != want.view(np.uint32)
+    assert not differ.any(), f"{what}: {int(differ.sum())} of {got.size} values differ"
+
+
+def weight_graph(name: str, m: int, k: int):
+    g = GraphBuilder("q", dims=["T"])
+    g.output("y", g.mul_mat(g.weight("w", [m, k], dtype_named(name)), g.input("x", ["T", k], F32)))
+    return g.graph
+
+
+def check_rows(profile: str, isa: str, graph, w: np.ndarray, k: int, rng, spoil=None) -> None:
+    run = backend(profile, isa).compile(graph)
+    for n in ROWS:
+        x = rows(rng, n, k)
+        if spoil is not None:
+            spoil(x)
+        want = run_graph(graph, {"w": w, "x": x}, {"T": n}, numerics=profile)["y"]
+        assert_same(run({"w": w, "x": x}, {"T": n})["y"], want, f"{profile} {isa} N={n}")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("profile", ["avx512", "avx2"])
+@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("m,k", [(64, 512), (40, 256)])     # ggml repacks q4_0 (M % 8 == 0), M % 16 != 0
+def test_packed_weights(rng, isa, profile, name, m, k):
+    check_rows(profile, isa, weight_graph(name, m, k), weight(rng, name, m, k), k, rng)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("name", LEGACY)
+def test_nan_and_inf_activations(rng, isa, name):
+    """A NaN quantizes to -128 without reaching the block's amax: exact products against it."""
+    def spoil(x):
+        for r in range(x.shape[0]):
+            x[r, rng.integers(0, x.shape[1], 1 + r % 3)] = (np.nan, np.inf, -np.inf)[r % 3]
+
+    check_rows("avx2", isa, weight_graph(name, 40, 512), weight(rng, name, 40, 512), 512, rng, spoil)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+def test_q8_0_weights_of_minus_128(rng, isa):
+    """-128 weight bytes (never made by ggml's quantizer, legal in a file) against negative
+    activations: the sign trick would give +128 * x there, the flagged blocks take int32 products."""
+    w = weight(rng, "q8_0", 48, 256)
+    blocks = w.reshape(48, -1, 34)
+    blocks[5, 2, 2 + 7] = 0x80
+    blocks[17, 0, 2:34] = 0x80
+    blocks[40, 7, 2 + 31] = 0x80
+
+    def negative(x):
+        x[:, :] = -np.abs(x)
+
+    check_rows("avx2", isa, weight_graph("q8_0", 48, 256), w, 256, rng, negative)
+
+
+def test_signed_q8_0_layout_flags_minus_128(rng):
+    """The AVX2 q8_0 layout keeps the bytes and flags exactly the (group, block)s holding a -128."""
+    from llamir.backends.llvm.kernels.repack import Q8_0_SIGNED, G, repack
+
+    w = weight(rng, "q8_0", 40, 256)
+    blocks = w.reshape(40, -1, 34)
+    for r, blk in ((3, 1), (20, 1), (39, 6)):
+        blocks[r, blk, 2 + r % 32] = 0x80
+    packed = repack(w, Q8_0_SIGNED)
+    at = Q8_0_SIGNED.quant_bytes + Q8_0_SIGNED.scale_bytes
+    flags = packed[:, :, at:at + 4].copy().view(np.int32)[..., 0]
+    values = np.concatenate([blocks[..., 2:], np.zeros((48 - 40,) + blocks.shape[1:2] + (32,), np.uint8)])
+    want = (values.reshape(-1, G, blocks.shape[1], 32) == 0x80).any(axis=(1, 3))
+    assert np.array_equal(flags != 0, want)
+    assert flags.sum() == 3
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("name", LEGACY)
+def test_quantized_kv_cache(rng, isa, name):
+    """A quantized K cache (never repacked): vec_dot's lanes, raw blocks, -128 bytes and NaN q included."""
+    g = GraphBuilder("kq", dims=["T"])
+    k = g.input("k", [2, 40, 128], dtype_named(name))
+    g.output("y", g.mul_mat(k, g.permute(g.input("q", ["T", 4, 128], F32), 1, 0, 2)))
+    cache = weight(rng, name, 2, 40, 128)
+    if name == "q8_0":
+        cache.reshape(2, 40, -1, 34)[0, 3, 1, 2:10] = 0x80
+    run = backend("avx2", isa).compile(g.graph)
+    for n in (1, 7):
+        x = rows(rng, n, 4, 128)
+        x[n - 1, 1, 5] = np.nan
+        want = run_graph(g.graph, {"k": cache, "q": x}, {"T": n}, numerics="avx2")["y"]
+        assert_same(run({"k": cache, "q": x}, {"T": n})["y"], want, f"{name} cache {isa} {n} tokens")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
+@pytest.mark.parametrize("kind", ["weight", "input"])
+@pytest.mark.parametrize("name", LEGACY)
+def test_experts(rng, isa, kind, name):
+    n_expert, m, k, n_tokens = 4, 32, 256, 9
+    g = GraphBuilder("moe")
+    leaf = g.weight if kind == "weight" else g.input
+    e = leaf("e", [n_expert, m, k], dtype_named(name))
+    g.output("y", g.mul_mat_id(e, g.input("x", [n_tokens, 1, k], F32), g.input("ids", [n_tokens, 2], I32)))
+    values = {"e": weight(rng, name, n_expert, m, k), "x": rows(rng, n_tokens, 1, k),
+              "ids": rng.integers(0, n_expert, (n_tokens, 2)).astype(np.int32)}
+    want = run_graph(g.graph, values, numerics="avx2")["y"]
+    assert_same(backend("avx2", isa).compile(g.graph)(values, {})["y"], want, f"{name} experts ({kind})")
+
+
+_CODEGEN = """
+from llamir.backends.llvm import LLVMBackend
+from llamir.backends.llvm.target import Target, host_target, restricted_target
+from llamir.ir import F32, GraphBuilder, dtype_named
+base = restricted_target(host_target(), ("avx512", "avxvnni"))
+t = Target(base.triple, base.cpu, base.features.replace("-avxvnni", "+avxvnni"))
+assert t.vnni and not t.vnni512, t.features
+be = LLVMBackend(n_threads=1, disk_cache=False, numerics="avx2", target=t)
+for name in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+    g = GraphBuilder("q", dims=["T"])
+    g.output("y", g.mul_mat(g.weight("w", [40, 256], dtype_named(name)), g.input("x", ["T", 256], F32)))
+    be.compile(g.graph)
+print("compiled")
+"""
+
+
+def test_avxvnni_codegen():
+    """The AVX-VNNI kernels compile for a target that has it (in a subprocess: an instruction LLVM
+    cannot select aborts the process), whether or not this host could run them."""
+    done = subprocess.run([sys.executable, "-c", _CODEGEN], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
