@@ -112,20 +112,20 @@ def test_q8_0_weights_of_minus_128(rng, isa):
 
 
 def test_signed_q8_0_layout_flags_minus_128(rng):
-    """The AVX2 q8_0 layout keeps the bytes and flags exactly the (group, block)s holding a -128."""
+    """The AVX2 q8_0 layout keeps the bytes and flags exactly the groups holding a -128."""
     from llamir.backends.llvm.kernels.repack import Q8_0_SIGNED, G, repack
 
     w = weight(rng, "q8_0", 40, 256)
     blocks = w.reshape(40, -1, 34)
-    for r, blk in ((3, 1), (20, 1), (39, 6)):
+    for r, blk in ((3, 1), (20, 1), (39, 6)):      # one -128 in each group of 16 rows
         blocks[r, blk, 2 + r % 32] = 0x80
     packed = repack(w, Q8_0_SIGNED)
     at = Q8_0_SIGNED.quant_bytes + Q8_0_SIGNED.scale_bytes
     flags = packed[:, :, at:at + 4].copy().view(np.int32)[..., 0]
     values = np.concatenate([blocks[..., 2:], np.zeros((48 - 40,) + blocks.shape[1:2] + (32,), np.uint8)])
-    want = (values.reshape(-1, G, blocks.shape[1], 32) == 0x80).any(axis=(1, 3))
-    assert np.array_equal(flags != 0, want)
-    assert flags.sum() == 3
+    want = (values.reshape(-1, G, blocks.shape[1], 32) == 0x80).any(axis=(1, 2, 3))       # per group
+    assert np.array_equal(flags != 0, np.repeat(want[:, None], blocks.shape[1], axis=1))
+    assert want.tolist() == [True, True, True]
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avxvnni"])

@@ -168,6 +168,13 @@ def tile_256(fmt: QFormat, K: int, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int
     out = _Out256(em, y_ptr, g, nt, M, valid)
     if fmt.order == "block":
         _block_order_256(fmt, K, em, wg, rows, out, nb)
+    elif fmt.corr == "abs":     # signed Q8_0: a group flagged for a -128 weight takes int32 products
+        flagged = em.b.icmp_signed("!=", em.load(I32, wg, fmt.quant_bytes + fmt.scale_bytes), ir.Constant(I32, 0))
+        with em.if_else(flagged) as (then, otherwise):
+            for branch, wide in ((then, True), (otherwise, False)):
+                with branch:
+                    for h in range(2):
+                        _lanes8_half_256(fmt, K, em, wg, rows, out, nb, h, wide)
     else:
         for h in range(2):
             _lanes8_half_256(fmt, K, em, wg, rows, out, nb, h)
@@ -230,7 +237,8 @@ def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Ou
             out.store(h, j, em.get(accs[h][j]))
 
 
-def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int, h: int) -> None:
+def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int, h: int,
+                     wide: bool = False) -> None:
     b = em.b
     _, off_d, off_aux, off_corr, _ = act_layout(fmt, K)
     vf, vi = vec(F32, H), vec(I32, H)
@@ -251,7 +259,8 @@ def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Ou
                 em.set(accs[j][c], em.fma(scale, b.sitofp(p, vf), em.get(accs[j][c])))
 
         if fmt.corr == "abs":
-            _signed_lanes(em, fmt, wb, h, k, rows, off_corr, lanes)
+            for j, xr in enumerate(rows):
+                lanes(j, xr, _signed_dot(em, fmt, wb, h, k, off_corr, wide))
         else:
             chunks = _half_chunks(em, fmt, wb, h)
             for j, xr in enumerate(rows):
@@ -273,27 +282,18 @@ def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Ou
         out.store(h, j, total)
 
 
-def _signed_lanes(em: Emitter, fmt: QFormat, wb, h: int, k, rows: list, off_abs: int, lanes) -> None:
-    """Signed Q8_0 chunks: the sign trick with |x| from the activation row, or, for a block flagged
-    as holding a -128 weight, int32 products."""
-    flag = em.load(I32, wb, fmt.quant_bytes + fmt.scale_bytes)
-    chunks = [em.load(int_dot.V32I8, wb, 64 * c + 32 * h) for c in range(fmt.chunks)]
-
-    def signed(j, xr, c):
+def _signed_dot(em: Emitter, fmt: QFormat, wb, h: int, k, off_abs: int, wide: bool):
+    """chunk_dot(j, xr, c) for signed Q8_0 chunks: the sign trick against |x| from the activation
+    row, or int32 products (`wide`, for a group holding a -128 weight). Chunks are loaded where
+    they are used: 8 accumulators already take half the registers."""
+    def dot(j, xr, c):
+        w = em.load(int_dot.V32I8, wb, 64 * c + 32 * h)
         x = int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c)
+        if wide:
+            return int_dot.chunk_dot_wide(em, w, x)
         x_abs = int_dot.bcast4(em, em.gep(xr, em.add(off_abs, em.mul(k, 32))), 4 * c)
-        return int_dot.chunk_dot_signed(em, chunks[c], x, x_abs)
-
-    def wide(j, xr, c):
-        return int_dot.chunk_dot_wide(em, chunks[c], int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c))
-
-    with em.if_else(em.b.icmp_signed("==", flag, ir.Constant(I32, 0))) as (then, otherwise):
-        with then:
-            for j, xr in enumerate(rows):
-                lanes(j, xr, signed)
-        with otherwise:
-            for j, xr in enumerate(rows):
-                lanes(j, xr, wide)
+        return int_dot.chunk_dot_signed(em, w, x, x_abs)
+    return dot
 
 
 # -- quantized operands that are not packed weights (KV cache views, batched tensors) ------------------

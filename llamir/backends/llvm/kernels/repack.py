@@ -8,7 +8,7 @@ row scales and, for affine types, the 16 mins. 4-bit values are packed two chunk
 (chunk v in the low nibbles, chunk v + C/2 in the high ones); others take a byte each, made
 unsigned with a fixed offset that the activation side corrects for. Without VNNI, Q8_0 keeps its
 signed bytes (vpmaddubsw would saturate on offset ones) and each (group, block) ends with an int32
-flag set when one of its values is -128, the one byte the sign trick cannot take exactly.
+flag set when a value of the group is -128, the one byte the sign trick cannot take exactly.
 
 The arithmetic the kernel does per block (see QFormat.order) follows the reference:
 - "block": one integer sum per (row, block), acc = fma(isum, d_w*d_x, acc)  (Q4_0 repacked
@@ -59,7 +59,7 @@ class QFormat:
 
     @property
     def flag_bytes(self) -> int:
-        """The int32 "a value is -128" flag of a signed layout."""
+        """The int32 "a value of this group is -128" flag of a signed layout."""
         return 4 if self.corr == "abs" else 0
 
     @property
@@ -147,7 +147,9 @@ def repack(raw: np.ndarray, fmt) -> np.ndarray:
         scale = np.concatenate([scale, np.zeros((pad, nb), scale.dtype)])
         mins = None if mins is None else np.concatenate([mins, np.zeros((pad, nb), mins.dtype)])
     q = q.reshape(groups, G, nb, fmt.chunks, 4).transpose(0, 2, 3, 1, 4)       # [g, nb, C, 16, 4]
-    flags = (q == 0x80).any(axis=(2, 3, 4)).astype(np.int32) if fmt.flag_bytes else None
+    flags = None
+    if fmt.flag_bytes:           # each block of a group holding a -128 says so (the kernel reads block 0's)
+        flags = np.repeat((q == 0x80).any(axis=(1, 2, 3, 4)).astype(np.int32)[:, None], nb, axis=1)
     if fmt.packing == "nib":
         half = fmt.chunks // 2
         q = q[:, :, :half] | (q[:, :, half:] << 4)
