@@ -31,6 +31,8 @@ from llamir.backends.llvm.plan import Kernel, Ref
 
 RM = 4                  # weight rows per register tile (tinyBLAS needs M % 4 == 0)
 M_UNIT = 16
+NB_MAX = 512            # b rows per n-block at most
+ACC_BYTES = NB_MAX * RM * 16 * 4    # per-thread scratch for an n-block's accumulators
 PREP_LANES = 16         # MatPrep's conversion width (element-wise: any width gives the same bits)
 
 
@@ -41,12 +43,15 @@ class FloatTiles:
     acc_lanes: lanes of one output's tinyBLAS accumulator (the profile's; 16 for vdpbf16ps);
     width: of those, the lanes one register holds; parts = acc_lanes // width;
     rn: b rows per register tile (RM weight rows); l2_budget: bytes of b rows per n-block;
+    k_chunk: K values per pass over an n-block at most (RM weight rows and rn b rows of it stay
+    in L1; K is cut in equal chunks);
     dot_rows: weight rows sharing each b load in the vec_dot order."""
 
     acc_lanes: int
     width: int
     rn: int
     l2_budget: int
+    k_chunk: int
     dot_rows: int
 
     @property
@@ -70,7 +75,17 @@ def float_tiles(em: Emitter, a_dtype: str) -> FloatTiles:
     dot_parts = max(1, -(-dot_lanes // target_lanes))
     n_acc = 2 if dp else 4
     dot_rows = next(r for r in (4, 2, 1) if r == 1 or (r + 1) * n_acc * dot_parts + 1 <= regs)
-    return FloatTiles(acc, width, rn, (1 << 20) if em.target.avx512 else (1 << 18), dot_rows)
+    l1_rows = RM + rn           # a chunk of RM weight rows and rn b rows in 24 KiB (32 with AVX-512)
+    k_chunk = ((32 << 10) if regs == 32 else (24 << 10)) // (4 * l1_rows)
+    return FloatTiles(acc, width, rn, (1 << 20) if em.target.avx512 else (1 << 18), k_chunk, dot_rows)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    k0: ir.Value
+    k1: ir.Value
+    first: ir.Value     # k0 == 0: accumulators start at zero
+    last: ir.Value      # k1 == K: reduce and store
 
 
 def _v(em: Emitter, ptr, off, dtype: str, lanes: int):
@@ -128,23 +143,25 @@ class MatMulFloat(Kernel):
         batches = em.mul(yshape[0], yshape[1])
         u0, u1 = em.split(em.mul(batches, m_units), a.ith, a.nth)
         y_ptr, a_ptr, b_ptr, scratch = a.ptrs
-        tiny = self._tinyblas_ok(em, N, M, K)
-        with em.loop(u0, u1, name="unit") as u:
+
+        def unit(u):
+            """(A, B, Y, m0, m1) of unit u: one batch's rows [m0, m1) of M."""
             bi = em.div(u, m_units)
             m0 = em.mul(em.rem(u, m_units), M_UNIT)
-            m1 = em.min(em.add(m0, M_UNIT), M)
-            i1 = em.rem(bi, yshape[1])
-            i0 = em.div(bi, yshape[1])
+            i1, i0 = em.rem(bi, yshape[1]), em.div(bi, yshape[1])
             ai0 = em.div(i0, em.div(yshape[0], ash[0]))
             ai1 = em.div(i1, em.div(yshape[1], ash[1]))
             A = em.gep(a_ptr, em.add(em.mul(ai0, astr[0]), em.mul(ai1, astr[1])))
             B = em.gep(b_ptr, em.add(em.mul(i0, bstr[0]), em.mul(i1, bstr[1])))
             Y = em.gep(y_ptr, em.add(em.mul(i0, ystr[0]), em.mul(i1, ystr[1])))
-            with em.if_else(tiny) as (then, otherwise):
-                with then:
-                    self._tiles(em, A, B, Y, scratch, m0, m1, N, K, astr[2], bstr[2], ystr[2])
-                with otherwise:
-                    self._vec_dots(em, A, B, Y, m0, m1, N, K, astr[2], bstr[2], ystr[2])
+            return A, B, Y, m0, em.min(em.add(m0, M_UNIT), M)
+
+        with em.if_else(self._tinyblas_ok(em, N, M, K)) as (then, otherwise):
+            with then:
+                self._tiles(em, unit, u0, u1, scratch, N, K, astr[2], bstr[2], ystr[2])
+            with otherwise, em.loop(u0, u1, name="unit") as u:
+                A, B, Y, m0, m1 = unit(u)
+                self._vec_dots(em, A, B, Y, m0, m1, N, K, astr[2], bstr[2], ystr[2])
 
     def _kn(self) -> int:
         return 32 if self._dp else self.numerics.lanes
@@ -158,39 +175,63 @@ class MatMulFloat(Kernel):
         return b.and_(ok, em.icmp("==", em.rem(M, 4), 0))
 
     # -- tinyBLAS order ----------------------------------------------------------------------
-    def _tiles(self, em: Emitter, A, B, Y, scratch, m0, m1, N, K, lda, ldb, ldy) -> None:
+    def _tiles(self, em: Emitter, unit, u0, u1, scratch, N, K, lda, ldb, ldy) -> None:
+        """n-blocks of b rows (kept in L2 while every unit of this thread passes over them) x RM
+        weight rows x K chunks (kept in L1) x tiles; the accumulators of an n-block wait in the
+        scratch between K chunks (ggml's tinyBLAS also keeps a block of b hot across weight rows)."""
         widen = self.a_dtype != "f32"
         lanes = self.numerics.lanes
         tiles = float_tiles(em, self.a_dtype)
         rn = tiles.rn
-        nb = em.max(rn * 4, em.min(512, em.mul(em.div(em.div(tiles.l2_budget, em.mul(K, 4)), rn), rn)))
-        with em.loop(0, N, nb, name="nb") as n0, em.loop(m0, m1, RM, name="mt") as mt:
+        nb = em.max(rn * 4, em.min(NB_MAX, em.mul(em.div(em.div(tiles.l2_budget, em.mul(K, 4)), rn), rn)))
+        accbuf = em.gep(scratch, em.mul(K, RM * 4))
+        kn = self._kn()         # K in equal chunks of at most tiles.k_chunk, each a multiple of kn
+        kc = em.mul(em.cdiv(em.cdiv(K, em.cdiv(K, tiles.k_chunk)), kn), kn)
+        with em.loop(0, N, nb, name="nb") as n0, em.loop(u0, u1, name="unit") as u:
+            A, B, Y, m0, m1 = unit(u)
             n1 = em.min(em.add(n0, nb), N)
-            if widen:   # RM weight rows -> f32 scratch [RM][K]
-                with em.loop(0, K, lanes, name="wk") as k:
-                    for i in range(RM):
-                        row = em.add(em.mul(em.add(mt, i), lda), 0)
-                        v = _v(em, A, em.add(row, em.mul(k, self._asize())), self.a_dtype, lanes)
-                        em.store(v, scratch, em.mul(em.add(em.mul(i, K), k), 4))
-                arow = [em.gep(scratch, em.mul(em.mul(i, K), 4)) for i in range(RM)]
-            else:
-                arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
-            em.tiles(n0, n1, rn, lambda nt, n: self._tile(em, tiles, arow, B, Y, mt, nt, n, K, ldb, ldy), name="nt")
+            with em.loop(m0, m1, RM, name="mt") as mt:
+                if widen:   # RM weight rows -> f32 scratch [RM][K]
+                    with em.loop(0, K, lanes, name="wk") as k:
+                        for i in range(RM):
+                            row = em.mul(em.add(mt, i), lda)
+                            v = _v(em, A, em.add(row, em.mul(k, self._asize())), self.a_dtype, lanes)
+                            em.store(v, scratch, em.mul(em.add(em.mul(i, K), k), 4))
+                    arow = [em.gep(scratch, em.mul(em.mul(i, K), 4)) for i in range(RM)]
+                else:
+                    arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
+                with em.loop(0, K, kc, name="kc") as k0:
+                    k1 = em.min(em.add(k0, kc), K)
+                    chunk = _Chunk(k0, k1, em.icmp("==", k0, 0), em.icmp("==", k1, K))
+
+                    def tile(nt, n, chunk=chunk, arow=arow, B=B, Y=Y, mt=mt):
+                        acc = em.gep(accbuf, em.mul(em.sub(nt, n0), RM * tiles.acc_lanes * 4))
+                        self._tile(em, tiles, arow, B, Y, acc, chunk, mt, nt, n, ldb, ldy)
+
+                    em.tiles(n0, n1, rn, tile, name="nt")
 
     def _asize(self) -> int:
         return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]
 
-    def _tile(self, em: Emitter, tiles: FloatTiles, arow, B, Y, mt, nt, rn: int, K, ldb, ldy) -> None:
-        """RM x rn outputs; each accumulator one register-wide part at a time (lanes
-        [p*width, (p+1)*width) see the same products in the same order as the whole vector would)."""
+    def _tile(self, em: Emitter, tiles: FloatTiles, arow, B, Y, acc_ptr, chunk: _Chunk, mt, nt, rn: int,
+              ldb, ldy) -> None:
+        """RM x rn outputs over one K chunk, each accumulator one register-wide part at a time
+        (lanes [p*width, (p+1)*width) see the same products in the same order as the whole vector
+        would). Accumulators start at zero or from acc_ptr ([rn][RM][acc_lanes]), go back there,
+        and after the last chunk are joined, reduced and stored."""
         width, kn = tiles.width, self._kn()
         span = 2 * width if self._dp else width      # inputs per part and k step
         zero = ir.Constant(vec(F32, width), [0.0] * width)
         brow = [em.gep(B, em.mul(em.add(nt, j), ldb)) for j in range(rn)]
-        parts: list[list[list[ir.Value]]] = [[[] for _ in range(RM)] for _ in range(rn)]
+
+        def slot(j: int, i: int, p: int) -> int:
+            return ((j * RM + i) * tiles.acc_lanes + p * width) * 4
+
         for p in range(tiles.parts):
-            accs = [[em.var(vec(F32, width), zero) for _ in range(RM)] for _ in range(rn)]
-            with em.loop(0, K, kn, name=f"k{p}") as k:
+            accs = [[em.var(vec(F32, width), em.b.select(chunk.first, zero, em.load(vec(F32, width), acc_ptr,
+                                                                                    slot(j, i, p))))
+                     for i in range(RM)] for j in range(rn)]
+            with em.loop(chunk.k0, chunk.k1, kn, name=f"k{p}") as k:
                 off = em.mul(em.add(k, p * span), 4)
                 # the shorter side stays in registers, the other is loaded per use (ggml's order)
                 bv = [em.load(vec(F32, span), brow[j], off) for j in range(rn)]
@@ -201,14 +242,13 @@ class MatMulFloat(Kernel):
                         em.set(accs[j][i], dpbf16(em, acc, av, bv[j]) if self._dp else em.fma(av, bv[j], acc))
             for j in range(rn):
                 for i in range(RM):
-                    parts[j][i].append(em.get(accs[j][i]))
-        for j in range(rn):
-            for i in range(RM):
-                whole = parts[j][i][0]
-                for part in parts[j][i][1:]:
-                    whole = em.concat(whole, part)
-                out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
-                em.store(em.reduce_add_tree(whole), Y, out)
+                    em.store(em.get(accs[j][i]), acc_ptr, slot(j, i, p))
+        with em.if_(chunk.last):
+            for j in range(rn):
+                for i in range(RM):
+                    whole = em.load(vec(F32, tiles.acc_lanes), acc_ptr, slot(j, i, 0))
+                    out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
+                    em.store(em.reduce_add_tree(whole), Y, out)
 
     # -- ggml_vec_dot order --------------------------------------------------------------------
     def _vec_dots(self, em: Emitter, A, B, Y, m0, m1, N, K, lda, ldb, ldy) -> None:

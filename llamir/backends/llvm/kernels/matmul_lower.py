@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from llamir.backends.llvm import expr as E
 from llamir.backends.llvm.kernels.elementwise import row_part
-from llamir.backends.llvm.kernels.matmul_float import RM, MatMulFloat, MatPrep
+from llamir.backends.llvm.kernels.matmul_float import ACC_BYTES, RM, MatMulFloat, MatPrep
 from llamir.backends.llvm.lowering import Lowerer, lowering
 from llamir.backends.llvm.plan import Ref
 from llamir.ir import Node, ops
@@ -57,7 +57,7 @@ def lower_float_matmul(L: Lowerer, node: Node) -> None:
         sgemm = True
     y = L.out(node)
     K = a.shape[-1]
-    scratch = L.scratch(E.mul(K, RM * 4), "a_tile", per_thread=True)
+    scratch = L.scratch(E.add(E.mul(K, RM * 4), ACC_BYTES), "a_tile", per_thread=True)   # widened rows, accumulators
     kernel = MatMulFloat(y, a, b, "f32", sgemm)
     L.step(kernel, [y, a, b, (scratch, 0)], [a, b], [y, scratch])
 
