@@ -21,7 +21,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
-from llamir.backends.llvm.kernels.matmul_quant import dpbusd
+from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8
 from llamir.backends.llvm.kernels.quant_act import KActLayout
 from llamir.backends.llvm.kernels.repack_k import G, KFormat
 from llamir.backends.llvm.plan import Kernel
@@ -81,6 +81,8 @@ class MatMulQK(Kernel):
         with em.loop(0, P, name="plane") as p:
             first = em.mul(p, N)
             run = _Pass(self, em, a.ptrs, M, g0, g1, first)
+            if not em.target.avx512:           # 256-bit vectors: 8-row halves (matmul_quant_k8.py)
+                run = Pass8(run, L2_BUDGET, GEMM_SPAN_SUBS)
             if self.repacked:
                 n_gemm = em.b.select(em.icmp(">", N, 3), em.i64(em.sub(N, em.rem(N, 4))), em.i64(0))
                 run("gemm", 0, n_gemm)
@@ -253,7 +255,7 @@ class _Pass:
         if fmt.offset:
             d = em.splat(b.mul(self._int(xr, "bsums", k, s), ir.Constant(I32, -fmt.offset)), G, I32)
         for i, w in enumerate(chunks):
-            d = dpbusd(em, d, w, self._x(xq, em.add(c0, i)))
+            d = em.intrinsic("llvm.x86.avx512.vpdpbusd.512", d.type, [d, w, self._x(xq, em.add(c0, i))])
         return d
 
     def _flush(self, mode: str, acc, accm, s1, msum, scales) -> None:

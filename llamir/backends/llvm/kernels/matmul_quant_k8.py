@@ -1,0 +1,328 @@
+"""The K-quant matmul modes of matmul_quant_k.py on 256-bit vectors (targets without AVX-512).
+
+Each 16-row group of the packed weight (repack_k.py) is taken as two halves of 8 rows: a half's
+4-value chunks, scales, mins and d are contiguous 32 (16) byte halves of the group's, so one ymm
+holds 8 rows of a chunk and nothing is split across registers. Same modes, same float order, same
+integers as the 512-bit code:
+
+- full sums (tiled, gemv, gemm): tiles of 8 rows x RN8 tokens. Per sub-block and token the chunk
+  products are summed in int16 by vpmaddubsw + vpaddw (never past 32767: at most 8 chunks of 4-bit
+  values, 4 of 5-bit, 2 of 6-bit, against |q8| <= 127), then one vpmaddwd by the duplicated sub-block
+  scales. With AVX-VNNI, one vpdpbusd chain per sub-block times the scale (vpmulld) instead. The
+  stored offset of Q3_K/Q6_K comes off once per super-block (sc x bsum pairs, one vpmaddwd each);
+  the gemm/gemv mins go to their own accumulator in a second loop (the two sums are independent).
+- lanes (vec_dot): 8 int32 lane vectors per half and token, lane l summing its chunks c % 8 == l.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+
+from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
+
+H = 8                                     # rows per half group (one ymm of f32 / i32)
+RN8 = 4                                   # tokens per tile in the full-sum modes
+V8F, V8I, V16S, V32B = vec(F32, H), vec(I32, H), vec(I16, 2 * H), vec(I8, 4 * H)
+# chunks whose vpmaddubsw results may be summed in int16: pairs |2 * q_max * 127| <= 32767 summed
+_I16_RUN = {"q2_k": 4, "q3_k": 4, "q4_k": 8, "q5_k": 4, "q6_k": 2}
+_DUP = [i // 2 for i in range(2 * H)]
+
+
+def maddubs8(em: Emitter, w, x):
+    """vpmaddubsw ymm: unsigned w bytes times signed x bytes, adjacent pairs summed (int16)."""
+    return em.intrinsic("llvm.x86.avx2.pmadd.ub.sw", V16S, [w, x])
+
+
+def madd8(em: Emitter, a, s):
+    """vpmaddwd ymm: int16 pairs times int16 pairs, summed -> int32."""
+    return em.intrinsic("llvm.x86.avx2.pmadd.wd", V8I, [a, s])
+
+
+def madd_add8(em: Emitter, acc, a, s):
+    """acc + vpmaddwd(a, s): one vpdpwssd with AVX-VNNI."""
+    if em.target.vnni:
+        return em.intrinsic("llvm.x86.avx512.vpdpwssd.256", V8I, [acc, a, s])
+    return em.b.add(acc, madd8(em, a, s))
+
+
+def dpbusd8(em: Emitter, acc, w, x):
+    """AVX-VNNI vpdpbusd ymm: acc + 4-value dots of unsigned w and signed x bytes."""
+    return em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I, [acc, w, x])
+
+
+class Pass8:
+    """One mode over rows [n_start, n_end) of a plane, in 8-row halves (see the module)."""
+
+    def __init__(self, p, l2_budget: int, gemm_span_subs: dict) -> None:   # p: matmul_quant_k._Pass
+        self.p, self.em, self.fmt, self.lay = p, p.em, p.fmt, p.lay
+        self.l2_budget, self.gemm_span_subs = l2_budget, gemm_span_subs
+
+    def __call__(self, mode: str, n_start, n_end) -> None:
+        """Prompts (tiled, gemm): each half in turn against tiles of RN8 tokens. One token at a time
+        (lanes, gemv): both halves inside the super-block loop, so each weight line is read once."""
+        p, em = self.p, self.em
+        rn = RN8 if mode in ("gemm", "tiled") else 1
+        n_block = max(rn, (self.l2_budget // p.row_bytes) // rn * rn)
+        with em.loop(n_start, n_end, n_block, name=f"{mode}.nb") as n0:
+            n1 = em.min(em.add(n0, n_block), n_end)
+            with em.loop(p.g0, p.g1, name=f"{mode}.grp") as g:
+                wg = em.gep(p.w_ptr, em.mul(g, p.nb * self.fmt.block_bytes))
+                if mode in ("lanes", "gemv"):
+                    halves = [_Half(self, wg, g, h) for h in range(2)]
+                    with em.loop(n0, n1, name=f"{mode}.tok") as nt:
+                        if mode == "lanes":
+                            _Rows(self, halves).lanes(nt)
+                        else:
+                            _Rows(self, halves).full(mode, nt, 1)
+                else:
+                    self._tiles(mode, wg, g, n0, n1, rn)
+
+    def _tiles(self, mode: str, wg, g, n0, n1, rn: int) -> None:
+        em = self.em
+        with em.loop(0, 2, name=f"{mode}.half") as h:
+            half = _Half(self, wg, g, h)
+            with em.if_(em.icmp(">", half.valid, 0)):
+                em.tiles(n0, n1, rn, lambda nt, w: _Rows(self, [half]).full(mode, nt, w), name=f"{mode}.nt")
+
+
+class _Half:
+    """Half h (rows 8h .. 8h+7) of group g: where its parts of a super-block are."""
+
+    def __init__(self, ps: Pass8, wg, g, h) -> None:
+        em = ps.em
+        self.em, self.fmt, self.wg = em, ps.fmt, wg
+        self.row0 = em.add(em.mul(g, 16), em.mul(h, H))
+        self.valid = em.min(em.sub(ps.p.M, self.row0), H)
+        self.h32, self.h16 = em.mul(h, 32), em.mul(h, 16)
+
+    def blocks(self, k):
+        """(q/d/mins base, scales base) of super-block k for this half."""
+        em = self.em
+        wb = em.gep(self.wg, em.mul(k, self.fmt.block_bytes))
+        return em.gep(wb, self.h32), em.gep(wb, self.h16)
+
+
+class _Rows:
+    """Some halves (8 weight rows each) against token rows; the pieces of each mode."""
+
+    def __init__(self, ps: Pass8, halves: list) -> None:
+        self.ps, self.em, self.fmt, self.lay, self.p = ps, ps.em, ps.fmt, ps.lay, ps.p
+        self.halves = halves
+
+    # -- loads ---------------------------------------------------------------------------------------
+
+    def _chunks(self, qb, c0, count: int) -> list:
+        """The <32 x i8> chunks c0 .. c0+count-1 (8 rows x 4 values); Q4_K from nibble vectors."""
+        em, b = self.em, self.em.b
+        if not self.fmt.nibbles:
+            return [em.load(V32B, qb, em.add(em.mul(c0, 64), 64 * i)) for i in range(count)]
+        raw = [em.load(V32B, qb, em.add(em.mul(c0, 32), 64 * i)) for i in range(count // 2)]
+        low, four = ir.Constant(V32B, [0x0F] * 32), ir.Constant(V32B, [4] * 32)
+        return [b.and_(r, low) for r in raw] + [b.lshr(r, four) for r in raw]
+
+    def _sc(self, sb, s):
+        """Sub-block s's 8 scales as int16."""
+        return self.em.load(vec(I16, H), sb, self.em.add(self.fmt.off_sc, self.em.mul(s, 32)))
+
+    def _x(self, xq, c):
+        em = self.em
+        return em.b.bitcast(em.splat(em.load(I32, xq, em.mul(c, 4)), H, I32), V32B)
+
+    def _pair(self, xr, field: str, k, index):
+        """The activation's int16 pair `index` of super-block k, in every int32 lane."""
+        return self.em.b.bitcast(self.em.splat(self.p._int(xr, field, k, index), H, I32), V16S)
+
+    def _min_pairs(self, qb, xr, k, first, count: int):
+        """sum over mins pairs first .. first+count-1 of m . (activation sum pairs), int32 per row."""
+        em = self.em
+        field = "pairs16" if self.fmt.subs == 16 else "pairs32"
+        total = ir.Constant(V8I, [0] * H)
+        for i in range(count):
+            pair = em.add(first, i)
+            mp = em.load(V16S, qb, em.add(self.fmt.off_mn, em.mul(pair, 64)))
+            total = madd_add8(em, total, mp, self._pair(xr, field, k, pair))
+        return total
+
+    def _offset_sums(self, sb, xr, k):
+        """sum_s sc[s] * bsums[s] over the 16 sub-blocks (what Q3_K/Q6_K's offset adds), int32."""
+        em = self.em
+        interleave = [i // 2 + (i % 2) * H for i in range(2 * H)]
+        total = ir.Constant(V8I, [0] * H)
+        for pair in range(8):
+            sc = em.shuffle(self._sc(sb, 2 * pair), self._sc(sb, 2 * pair + 1), interleave)
+            total = madd_add8(em, total, sc, self._pair(xr, "pairs16", k, pair))
+        return total
+
+    def _store(self, half: _Half, n, total) -> None:
+        """y[n, the half's rows]; masked for a partial (or empty: valid <= 0) half."""
+        em, p = self.em, self.p
+        off = em.add(em.mul(em.add(p.first, n), em.mul(p.M, 4)), em.mul(half.row0, 4))
+        with em.if_else(em.icmp("==", half.valid, H)) as (then, otherwise):
+            with then:
+                em.store(total, p.y_ptr, off)
+            with otherwise:
+                em.masked_store(total, p.y_ptr, off, em.lane_mask(H, half.valid))
+
+    # -- full sums -----------------------------------------------------------------------------------
+    def full(self, mode: str, nt, rn: int) -> None:
+        em, b, fmt, p = self.em, self.em.b, self.fmt, self.p
+        fzero, izero = ir.Constant(V8F, [0.0] * H), ir.Constant(V8I, [0] * H)
+        rows = [p._row(em.add(nt, j)) for j in range(rn)]
+        acc = [[em.var(V8F, fzero) for _ in rows] for _ in self.halves]
+        isum = [[em.var(V8I) for _ in rows] for _ in self.halves]
+        span = self.ps.gemm_span_subs[fmt.dtype] if mode == "gemm" else fmt.subs
+        with em.loop(0, p.nb, name="sblk") as k:
+            blocks = [half.blocks(k) for half in self.halves]
+            with em.loop(0, fmt.subs // span, name="span") as sp:
+                for slot in (x for per_half in isum for x in per_half):
+                    em.set(slot, izero)
+                with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
+                    for (qb, sb), sums in zip(blocks, isum, strict=True):
+                        self._sub_block(qb, sb, rows, k, s, sums)
+                if mode != "tiled":          # acc = fma(isum, d_w * d_x, acc)
+                    for (qb, _), sums, accs in zip(blocks, isum, acc, strict=True):
+                        dw = em.load(V8F, qb, fmt.off_d)
+                        for j, xr in enumerate(rows):
+                            dwx = b.fmul(dw, em.splat(p._d(xr, k), H))
+                            em.set(accs[j], em.fma(b.sitofp(em.get(sums[j]), V8F), dwx, em.get(accs[j])))
+            if mode == "tiled":
+                for (qb, sb), sums, accs in zip(blocks, isum, acc, strict=True):
+                    self._tiled_flush(qb, sb, rows, k, sums, accs)
+        for half, accs in zip(self.halves, acc, strict=True):
+            totals = [em.get(a) for a in accs]
+            if fmt.has_min and mode != "tiled":
+                totals = [b.fsub(t, m) for t, m in zip(totals, self._repacked_mins(half, rows, span), strict=True)]
+            for j, total in enumerate(totals):
+                self._store(half, em.add(nt, j), total)
+
+    def _sub_block(self, qb, sb, rows, k, s, isum) -> None:
+        """isum[j] += sc * sum(q * q8) over sub-block s (stored values; offsets come off later)."""
+        em, b, fmt = self.em, self.em.b, self.fmt
+        per = fmt.chunks_per_sub
+        chunks = self._chunks(qb, em.mul(s, per), per)
+        xqs = [em.gep(xr, em.mul(k, 256)) for xr in rows]
+        c0 = em.mul(s, per)
+        sc = self._sc(sb, s)
+        if em.target.vnni:
+            sc32 = b.sext(sc, V8I)
+            for j, xq in enumerate(xqs):
+                d = ir.Constant(V8I, [0] * H)
+                for i, w in enumerate(chunks):
+                    d = dpbusd8(em, d, w, self._x(xq, em.add(c0, i)))
+                em.set(isum[j], b.add(em.get(isum[j]), b.mul(d, sc32)))
+            return
+        scd = em.shuffle(sc, None, _DUP)
+        run = _I16_RUN[fmt.dtype]
+        for j, xq in enumerate(xqs):
+            total = em.get(isum[j])
+            for r0 in range(0, per, run):
+                part = None
+                for i in range(r0, min(per, r0 + run)):
+                    prod = maddubs8(em, chunks[i], self._x(xq, em.add(c0, i)))
+                    part = prod if part is None else b.add(part, prod)
+                total = madd_add8(em, total, part, scd)
+            em.set(isum[j], total)
+
+    def _tiled_flush(self, qb, sb, rows, k, isum, acc) -> None:
+        """res = fma(-dmin, s2, d * s1); acc = fma(res, d_x, acc) (s1 with the offset taken off)."""
+        em, b, fmt, p = self.em, self.em.b, self.fmt, self.p
+        dw = em.load(V8F, qb, fmt.off_d)
+        neg_dmin = b.fneg(em.load(V8F, qb, fmt.off_dmin)) if fmt.has_min else None
+        for j, xr in enumerate(rows):
+            s1 = em.get(isum[j])
+            if fmt.offset:
+                corr = self._offset_sums(sb, xr, k)
+                s1 = b.sub(s1, b.mul(corr, ir.Constant(V8I, [fmt.offset] * H)))
+            res = b.fmul(b.sitofp(s1, V8F), dw)
+            if neg_dmin is not None:
+                msum = self._min_pairs(qb, xr, k, 0, fmt.subs // 2)
+                res = em.fma(neg_dmin, b.sitofp(msum, V8F), res)
+            em.set(acc[j], em.fma(res, em.splat(p._d(xr, k), H), em.get(acc[j])))
+
+    def _repacked_mins(self, half: _Half, rows, span: int) -> list:
+        """The repacked kernels' min accumulators: fma(msum, dmin * d_x, accm) per span, in order."""
+        em, b, fmt, p = self.em, self.em.b, self.fmt, self.p
+        fzero = ir.Constant(V8F, [0.0] * H)
+        accm = [em.var(V8F, fzero) for _ in rows]
+        with em.loop(0, p.nb, name="msblk") as k:
+            qb, _ = half.blocks(k)
+            dmin = em.load(V8F, qb, fmt.off_dmin)
+            with em.loop(0, fmt.subs // span, name="mspan") as sp:
+                for j, xr in enumerate(rows):
+                    msum = self._min_pairs(qb, xr, k, em.mul(sp, span // 2), span // 2)
+                    dmx = b.fmul(dmin, em.splat(p._d(xr, k), H))
+                    em.set(accm[j], em.fma(b.sitofp(msum, V8F), dmx, em.get(accm[j])))
+        return [em.get(a) for a in accm]
+
+    # -- ggml_vec_dot_qN_K_q8_K ------------------------------------------------------------------------
+    def lanes(self, nt) -> None:
+        em, b, fmt, p = self.em, self.em.b, self.fmt, self.p
+        fzero = ir.Constant(V8F, [0.0] * H)
+        dtype = fmt.dtype
+        acc = [[em.var(V8F, fzero) for _ in range(8)] for _ in self.halves]
+        accm = [[em.var(V8F, fzero) for _ in range({"q4_k": 4, "q5_k": 1}.get(dtype, 0))] for _ in self.halves]
+        lane_vars = [em.var(V8I) for _ in range(8)]
+        xr = p._row(nt)
+        with em.loop(0, p.nb, name="sblk") as k:
+            dx = p._d(xr, k)
+            for half, accs, accms in zip(self.halves, acc, accm, strict=True):
+                qb, sb = half.blocks(k)
+                self._lane_super_block(qb, sb, xr, k, dx, lane_vars, accs, accms)
+        for half, accs, accms in zip(self.halves, acc, accm, strict=True):
+            a_ = [em.get(x) for x in accs]
+            r = [b.fadd(a_[i + 4], a_[i]) for i in range(4)]          # hsum_float_8
+            total = b.fadd(b.fadd(r[0], r[2]), b.fadd(r[1], r[3]))
+            if dtype == "q4_k":
+                m_ = [em.get(x) for x in accms]
+                total = b.fadd(total, b.fadd(b.fadd(m_[0], m_[2]), b.fadd(m_[1], m_[3])))
+            elif dtype == "q5_k":
+                total = b.fadd(total, em.get(accms[0]))
+            self._store(half, nt, total)
+
+    def _lane_super_block(self, qb, sb, xr, k, dx, lane_vars, acc, accm) -> None:
+        """One super-block's lanes into vec_dot's float accumulators, mins as ggml orders them."""
+        em, b, fmt = self.em, self.em.b, self.fmt
+        dtype = fmt.dtype
+        lanes = self._lane_sums(qb, sb, xr, k, lane_vars)
+        d = b.fmul(em.splat(dx, H), em.load(V8F, qb, fmt.off_d))                # y.d * x.d
+        dmin = b.fmul(em.splat(b.fneg(dx), H), em.load(V8F, qb, fmt.off_dmin)) if fmt.has_min else None
+        if dtype == "q2_k":        # the mins' 8 lanes go into acc first
+            for lane in range(8):
+                m = self._min_pairs(qb, xr, k, lane, 1)
+                em.set(acc[lane], em.fma(dmin, b.sitofp(m, V8F), em.get(acc[lane])))
+        for lane in range(8):
+            em.set(acc[lane], em.fma(d, b.sitofp(lanes[lane], V8F), em.get(acc[lane])))
+        if dtype == "q4_k":        # 4 lanes of their own
+            for lane in range(4):
+                m = self._min_pairs(qb, xr, k, lane, 1)
+                em.set(accm[lane], em.fma(dmin, b.sitofp(m, V8F), em.get(accm[lane])))
+        elif dtype == "q5_k":      # summs += dmin * (one integer)
+            m = self._min_pairs(qb, xr, k, 0, 4)
+            em.set(accm[0], em.fma(dmin, b.sitofp(m, V8F), em.get(accm[0])))
+
+    def _lane_sums(self, qb, sb, xr, k, lane_vars) -> list:
+        """vec_dot's 8 int32 lanes of one super-block (see matmul_quant_k._Pass._lane_sums)."""
+        em, b, fmt = self.em, self.em.b, self.fmt
+        xq = em.gep(xr, em.mul(k, 256))
+        for slot in lane_vars:
+            em.set(slot, ir.Constant(V8I, [0] * H))
+        subs_per_block = 8 // fmt.chunks_per_sub
+        with em.loop(0, 8, name="blk32") as jj:
+            chunks = self._chunks(qb, em.mul(jj, 8), 8)
+            scd = [em.shuffle(self._sc(sb, em.add(em.mul(jj, subs_per_block), h)), None, _DUP)
+                   for h in range(subs_per_block)]
+            for i, w in enumerate(chunks):
+                c = em.add(em.mul(jj, 8), i)
+                prod = maddubs8(em, w, self._x(xq, c))
+                if fmt.dtype == "q3_k":
+                    prod = b.sub(prod, self._pair(xr, "chunk4", k, c))
+                em.set(lane_vars[i], madd_add8(em, em.get(lane_vars[i]), prod, scd[i // fmt.chunks_per_sub]))
+        lanes = [em.get(slot) for slot in lane_vars]
+        if fmt.dtype == "q6_k":
+            interleave = [i // 2 + (i % 2) * H for i in range(2 * H)]
+            five = ir.Constant(V8I, [5] * H)
+            for lane in range(8):
+                pair = em.shuffle(self._sc(sb, 2 * lane), self._sc(sb, 2 * lane + 1), interleave)
+                corr = madd8(em, pair, self._pair(xr, "pairs16", k, lane))
+                lanes[lane] = b.sub(lanes[lane], b.shl(corr, five))
+        return lanes
