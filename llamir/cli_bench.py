@@ -6,8 +6,8 @@ runs after a warm-up. tg: N single-token decodes from an empty cache, each timed
 the median. The same functions time llama.cpp (bench/bench_llvm.py runs both on one file).
 
 `--isa avx2` emulates an AVX2-only CPU (AMD Zen 3) on an AVX-512 host: llamir's LLVM code is
-generated without AVX-512 and AVX-VNNI, with the avx2 numerics profile, and llama.cpp runs from
-an AVX2-only build of llama-cpp-python (`--llama-cpp-path`, a directory put first on
+generated without AVX-512, AVX-VNNI and GFNI (target.avx2_only_target), with the avx2 numerics
+profile, and llama.cpp runs from an AVX2-only build of llama-cpp-python (`--llama-cpp-path`, a directory put first on
 PYTHONPATH) in a subprocess, since one process can import only one llama_cpp.
 """
 
@@ -27,7 +27,6 @@ from pathlib import Path
 
 FLASH_ATTN_DEFAULT = "on"   # llama.cpp's CPU default (auto) resolves to flash attention
 ISAS = ("host", "avx2")
-AVX2_ONLY_DROPS = ("avx512", "avxvnni")     # what an AVX2 + FMA + F16C machine (Zen 3) lacks
 AVX2_LLAMA_CPP = "/work/build/avx2"         # llama-cpp-python built with GGML_AVX512=OFF (see bench/README.md)
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
              "avx_vnni", "amx_tile")
@@ -52,14 +51,14 @@ def cpu_isa() -> str:
 
 
 def llvm_options(isa: str) -> dict:
-    """LLVMBackend options for `isa`: host (this CPU, its default profile) or avx2 (no AVX-512,
-    no AVX-VNNI, the avx2 numerics profile of an AVX2 llama.cpp build)."""
+    """LLVMBackend options for `isa`: host (this CPU, its default profile) or avx2 (what Zen 3
+    has: no AVX-512, AVX-VNNI or GFNI; the avx2 numerics profile of an AVX2 llama.cpp build)."""
     if isa == "host":
         return {}
     if isa == "avx2":
-        from llamir.backends.llvm.target import host_target, restricted_target
+        from llamir.backends.llvm.target import avx2_only_target
 
-        return {"target": restricted_target(host_target(), AVX2_ONLY_DROPS), "numerics": "avx2"}
+        return {"target": avx2_only_target(), "numerics": "avx2"}
     raise ValueError(f"unknown isa {isa!r}; choose one of {', '.join(ISAS)}")
 
 

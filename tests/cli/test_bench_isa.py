@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from llamir.backends.llvm.target import AVX2_ONLY_DROPS
 from llamir.cli import main
-from llamir.cli_bench import AVX2_ONLY_DROPS, cpu_isa, llama_cpp_build, llvm_options
+from llamir.cli_bench import cpu_isa, llama_cpp_build, llvm_options
 from llamir.frontend.synth import SynthSpec, write_model
 
 
@@ -17,12 +18,13 @@ def tiny(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", SynthSpec(n_layer=1, dtype="q8_0"))
 
 
-def test_avx2_options_drop_avx512_and_vnni():
+def test_avx2_options_drop_avx512_vnni_and_gfni():
     options = llvm_options("avx2")
     target = options["target"]
     assert options["numerics"] == "avx2"
     assert not target.avx512 and not target.vnni and target.has("avx2") and target.fma
     assert not any(f.startswith(AVX2_ONLY_DROPS) for f in target.feature_set)
+    assert not target.has("avx10.1") and not target.has("gfni")
     assert llvm_options("host") == {}
     with pytest.raises(ValueError, match="unknown isa"):
         llvm_options("sse2")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -20,12 +20,13 @@ from llamir.backends.llvm.codegen import (
     kernel_module,
     kernel_symbol,
 )
-from llamir.backends.llvm.compiler import CodegenError, optimize_and_emit
+from llamir.backends.llvm.compiler import CodegenError, compile_jobs, optimize_and_emit
+from llamir.backends.llvm.compiler import compile_workers as default_compile_workers
 from llamir.backends.llvm.executable import CompiledSplit
 from llamir.backends.llvm.lowering import Lowerer, supported
 from llamir.backends.llvm.runtime import ThreadPool, load_object
 from llamir.backends.llvm.target import Target, host_target
-from llamir.ir import Graph, Node, ops, parse_graph, print_graph
+from llamir.ir import Graph, Node, ops, print_graph
 from llamir.ir.numerics import Numerics, numerics_named
 
 log = logging.getLogger("llamir")
@@ -35,12 +36,15 @@ DEFAULT_PASSES = "unfuse-attention,cse,fuse-rms-norm,fuse-norm,dce"
 
 @dataclass
 class CompileStats:
-    """What the last compile did, for reports: seconds per phase, cache outcome."""
+    """What the last compile did, for reports: wall seconds of the whole compile and of its
+    phases (planning, compiling the missing modules, linking), the seconds the modules' compiles
+    took summed over the worker processes (llvm_s), and the cache outcome."""
 
     plan_s: float = 0.0
-    codegen_s: float = 0.0
+    compile_s: float = 0.0
     llvm_s: float = 0.0
     link_s: float = 0.0
+    wall_s: float = 0.0
     cache: str = ""
     n_kernels: int = 0
     n_steps: int = 0
@@ -49,7 +53,32 @@ class CompileStats:
 
     @property
     def total_s(self) -> float:
-        return self.plan_s + self.codegen_s + self.llvm_s + self.link_s
+        return self.wall_s
+
+
+def _copy_graph(graph: Graph) -> Graph:
+    """A copy of `graph` for the passes to rewrite: new nodes over the same (frozen) ops and types,
+    in the same order (it prints as `graph` does; parsing the printed text gives the same graph
+    but costs 5-10x more)."""
+    copy = Graph(graph.name, graph.dim_names)
+    new: dict[int, Node] = {}
+    for leaf in graph.leafs:
+        node = new[id(leaf)] = Node(copy, leaf.op, (), leaf.type, leaf.name)
+        copy.leafs.append(node)
+    for old in graph.nodes:
+        node = new[id(old)] = Node(copy, old.op, tuple(new[id(x)] for x in old.inputs), old.type, old.name)
+        for x in node.inputs:
+            x.users.append(node)
+        copy.nodes.append(node)
+    copy.outputs = {name: new[id(x)] for name, x in graph.outputs.items()}
+    return copy
+
+
+def _compile_weight(kernel) -> int:
+    """Which kernels to start compiling first (the workers take them in order): matmuls and
+    attention are the big modules."""
+    name = type(kernel).__name__
+    return 2 if name.startswith("MatMul") else 1 if "Attn" in name else 0
 
 
 class LLVMBackend(Backend):
@@ -59,14 +88,17 @@ class LLVMBackend(Backend):
     _shared_caches: ClassVar[dict] = {}
 
     def __init__(self, n_threads: int | None = None, target: Target | None = None, passes: str = DEFAULT_PASSES,
-                 cache_dir=None, disk_cache: bool = True, numerics: Numerics | str | None = None):
+                 cache_dir=None, disk_cache: bool = True, numerics: Numerics | str | None = None,
+                 compile_workers: int | None = None):
         """`numerics`: the ggml build whose arithmetic the code reproduces (default: the host's,
-        see llamir.ir.numerics); any profile runs on any x86 target."""
+        see llamir.ir.numerics); any profile runs on any x86 target. `compile_workers`: processes
+        that compile kernels in parallel (default: one per CPU; 1 compiles in this process)."""
         self.target = target or host_target()
         self.numerics = numerics_named(numerics)
         self.device = cpu_device("cpu", f"host CPU (LLVM JIT, {self.target.describe()}, numerics {self.numerics})")
         self.n_threads = n_threads or default_threads()
         self.passes = passes
+        self.compile_workers = compile_workers or default_compile_workers()
         if disk_cache:
             from pathlib import Path
 
@@ -120,36 +152,20 @@ class LLVMBackend(Backend):
             raise BackendError(f"backend llvm cannot run: {names}")
         stats = CompileStats(history=self.compile_stats.history)
         t0 = time.perf_counter()
-        g = parse_graph(print_graph(graph))
+        text = print_graph(graph)
         passes = "unfuse-attention" if observe_variant else self.passes
-        if passes:
-            from llamir.passes.pipeline import run_pipeline
-
-            run_pipeline(g, passes)
-        lowerer = Lowerer(g, self.target, self.n_threads, self.numerics)
-        if observe_variant:
-            lowerer.keep_values = True
-        plan = lowerer.run()
-        t1 = time.perf_counter()
-        builder = ModuleBuilder(plan, self.target, name=graph.name)
         variant = ("observe|" if observe_variant else "") + f"{self.numerics}|" + passes
-        entry_key = self.cache.key(graph.fingerprint(), self.target.key, variant)
-        objects, n_new = self._kernel_objects(builder.distinct_kernels(), stats)
-        entry_obj = self.cache.get(entry_key)
-        if entry_obj is None:
-            t2 = time.perf_counter()
-            module = builder.build()
-            t3 = time.perf_counter()
-            entry_obj = optimize_and_emit(module, self.target, speed_level=1)
-            self.cache.put(entry_key, entry_obj)
-            stats.codegen_s += t3 - t2
-            stats.llvm_s += time.perf_counter() - t3
-        stats.cache = "hit" if n_new == 0 else f"miss ({n_new} new kernels)"
-        t4 = time.perf_counter()
-        tracker, addrs = load_object(self.target, [entry_obj] + objects, [ENTRY, ARENA_SIZE])
-        stats.plan_s, stats.link_s = t1 - t0, time.perf_counter() - t4
-        stats.n_kernels = len(objects)
+        entry_key = self.cache.key(hashlib.sha256(text.encode()).hexdigest(), self.target.key, variant)
+        loaded = self.cache.loaded_split(f"{entry_key}|{self.n_threads}")
+        if loaded is not None:            # the same graph again (a new context on the same model)
+            g, plan, tracker, addrs, n_kernels = loaded
+            stats.cache = "hit"
+        else:
+            g, plan, tracker, addrs, n_kernels = self._build(graph, passes, observe_variant, entry_key, stats)
+            self.cache.keep_split(f"{entry_key}|{self.n_threads}", (g, plan, tracker, addrs, n_kernels))
+        stats.n_kernels = n_kernels
         stats.n_steps, stats.n_stages = len(plan.steps), plan.n_stages
+        stats.wall_s = time.perf_counter() - t0
         stats.history.append((graph.name, stats.cache, stats.total_s))
         self.compile_stats = stats
         log.info("llvm: compiled %s (%d steps, %d stages, %d kernels, %s) in %.2fs", graph.name, stats.n_steps,
@@ -159,31 +175,48 @@ class LLVMBackend(Backend):
         self._executables.add(exe)
         return exe
 
-    def _kernel_objects(self, kernels, stats: CompileStats) -> tuple[list[bytes], int]:
-        """Object code of each kernel: from the cache, or compiled (in parallel: LLVM runs
-        without the GIL)."""
-        objects: dict[int, bytes] = {}
-        todo = []
-        for i, kernel in enumerate(kernels):
-            key = self.cache.key(kernel_symbol(kernel), self.target.key, "kernel")
-            obj = self.cache.get(key)
-            if obj is None:
-                todo.append((i, kernel, key))
-            else:
-                objects[i] = obj
+    def _build(self, graph: Graph, passes: str, observe_variant: bool, entry_key: str, stats: CompileStats):
+        """Lower (a copy of) `graph`, get the object code of its kernels and entry (from
+        the cache, or compiled in parallel), and link them."""
+        t0 = time.perf_counter()
+        g = _copy_graph(graph)
+        if passes:
+            from llamir.passes.pipeline import run_pipeline
+
+            run_pipeline(g, passes)
+        lowerer = Lowerer(g, self.target, self.n_threads, self.numerics)
+        if observe_variant:
+            lowerer.keep_values = True
+        plan = lowerer.run()
+        builder = ModuleBuilder(plan, self.target, name=g.name)
+        t1 = time.perf_counter()
+        stats.plan_s = t1 - t0
+        kernels = builder.distinct_kernels()
+        keys = [self.cache.key(kernel_symbol(k), self.target.key, "kernel") for k in kernels] + [entry_key]
+        objects: list[bytes | None] = [self.cache.get(key) for key in keys]
+        todo = [i for i, obj in enumerate(objects) if obj is None]
         if todo:
-            t0 = time.perf_counter()
-            modules = [(i, kernel_module(kernel, self.target), key) for i, kernel, key in todo]
-            t1 = time.perf_counter()
-            workers = max(1, min(len(modules), self.n_threads))
-            with ThreadPoolExecutor(workers) as pool:
-                compiled = list(pool.map(lambda m: optimize_and_emit(m[1], self.target), modules))
-            for (i, _, key), obj in zip(modules, compiled, strict=True):
-                self.cache.put(key, obj)
+            target = self.target
+
+            def job(i: int):
+                if i == len(kernels):      # the entry: straight-line calls, fast instruction selection
+                    return lambda: optimize_and_emit(builder.build(), target, speed_level=0, codegen_opt=0)
+                return lambda: optimize_and_emit(kernel_module(kernels[i], target), target)
+
+            todo.sort(key=lambda i: -_compile_weight(kernels[i]) if i < len(kernels) else 0)
+            names = [kernel_symbol(kernels[i]) if i < len(kernels) else f"entry of {g.name}" for i in todo]
+            compiled = compile_jobs([job(i) for i in todo], self.compile_workers, names)
+            for i, (obj, seconds) in zip(todo, compiled, strict=True):
+                self.cache.put(keys[i], obj)
                 objects[i] = obj
-            stats.codegen_s += t1 - t0
-            stats.llvm_s += time.perf_counter() - t1
-        return [objects[i] for i in range(len(kernels))], len(todo)
+                stats.llvm_s += seconds
+            stats.compile_s = time.perf_counter() - t1
+        n_new = sum(1 for i in todo if i < len(kernels))
+        stats.cache = "hit" if not todo else (f"miss ({n_new} new kernels)" if n_new else "miss (entry)")
+        t2 = time.perf_counter()
+        tracker, addrs = load_object(self.target, [objects[-1]] + objects[:-1], [ENTRY, ARENA_SIZE])
+        stats.link_s = time.perf_counter() - t2
+        return g, plan, tracker, addrs, len(kernels)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,5 +1,7 @@
 """The compile cache: object code by (graph fingerprint, target, code version), in memory and on
-disk under llamir.paths.cache_dir()/llvm.
+disk under llamir.paths.cache_dir()/llvm; one entry per kernel (shared by every split and model
+that uses the same kernel) and one per split's entry function. In memory it also keeps the last
+splits linked, so that compiling the same graph again (a second context on a model) only binds.
 
 A disk entry is `MAGIC | sha256(payload) | payload`; an entry that fails the check (truncated,
 corrupted, another format) is deleted and rebuilt, never loaded.
@@ -12,6 +14,7 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 import llvmlite
@@ -33,10 +36,27 @@ def code_version() -> str:
 
 
 class CompileCache:
+    LINKED = 32     # linked splits kept in memory (graph, plan and loaded code each)
+
     def __init__(self, directory: Path | None):
         self.directory = directory
         self.memory: dict[str, bytes] = {}
+        self.linked: OrderedDict[str, tuple] = OrderedDict()
         self.hits = self.misses = self.rejected = 0
+
+    def loaded_split(self, key: str) -> tuple | None:
+        """What keep_split kept under `key` (the most recent LINKED), or None."""
+        entry = self.linked.get(key)
+        if entry is not None:
+            self.linked.move_to_end(key)
+            self.hits += 1
+        return entry
+
+    def keep_split(self, key: str, entry: tuple) -> None:
+        self.linked[key] = entry
+        self.linked.move_to_end(key)
+        while len(self.linked) > self.LINKED:
+            self.linked.popitem(last=False)
 
     @staticmethod
     def key(fingerprint: str, target_key: str, variant: str) -> str:

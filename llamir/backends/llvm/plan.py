@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from llamir.backends.llvm import expr as E
 from llamir.backends.llvm.expr import Expr
@@ -115,10 +116,13 @@ class Kernel(ABC):
 
     `ints` are the kernel's integer parameters: ints are compiled in (they are part of the key,
     so kernels that differ only in run-time values share one function); expressions become
-    run-time arguments."""
+    run-time arguments. The positions in `runtime_ints` are run-time arguments even when known:
+    a kernel lists there the sizes its code does not need as constants (a matmul's row count),
+    so that the layers and models that differ only in them share one compiled function."""
 
     n_ptrs: int = 0
     numerics: Numerics = AVX512     # the profile the code reproduces (set by the lowering, part of the key)
+    runtime_ints: ClassVar[tuple[int, ...]] = ()
 
     def __init__(self, ints: Sequence[Expr] = ()):
         self.ints = tuple(ints)
@@ -129,7 +133,9 @@ class Kernel(ABC):
 
     @property
     def pattern(self) -> tuple:
-        return tuple(v if isinstance(v, int) else None for v in self.ints)
+        """Each of `ints` compiled in (its value) or passed at run time (None)."""
+        shared = self.runtime_ints
+        return tuple(v if isinstance(v, int) and i not in shared else None for i, v in enumerate(self.ints))
 
     def key(self) -> tuple:
         return (type(self).__name__, self.config(), self.n_ptrs, self.pattern, self.numerics.name)

@@ -12,6 +12,10 @@ import llvmlite.binding as llvm
 
 # AMX tile instructions trap in sandboxed hosts that still advertise them; kernels never need them.
 _NEVER = ("amx",)
+# What an AVX2 + FMA + F16C machine (AMD Zen 3) lacks that LLVM would select on its own: AVX-512 and
+# AVX10 (which implies it), VEX VNNI (LLVM folds pmaddwd + add into vpdpwssd), GFNI (byte shifts
+# become gf2p8affineqb), and the newer VEX integer extensions.
+AVX2_ONLY_DROPS = ("avx512", "avx10", "avxvnni", "avxifma", "avxneconvert", "gfni")
 
 
 @functools.cache
@@ -29,8 +33,9 @@ class Target:
     cpu: str
     features: str
 
-    @property
+    @functools.cached_property
     def feature_set(self) -> frozenset[str]:
+        """The enabled features (kept: support predicates ask for them per node)."""
         return frozenset(f[1:] for f in self.features.split(",") if f.startswith("+"))
 
     def has(self, feature: str) -> bool:
@@ -68,10 +73,12 @@ class Target:
         text = f"{self.triple}|{self.cpu}|{self.features}|llvmlite {llvmlite.__version__}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def machine(self) -> llvm.TargetMachine:
+    def machine(self, opt: int = 3) -> llvm.TargetMachine:
+        """LLVM's target machine; `opt` is the code generator's level (0: fast instruction
+        selection, for code whose speed does not matter)."""
         init_llvm()
         target = llvm.Target.from_triple(self.triple)
-        return target.create_target_machine(cpu=self.cpu, features=self.features, opt=3, reloc="pic",
+        return target.create_target_machine(cpu=self.cpu, features=self.features, opt=opt, reloc="pic",
                                             codemodel="jitdefault")
 
     def describe(self) -> str:
@@ -99,6 +106,13 @@ def host_target() -> Target:
 
 def restricted_target(base: Target, disable: tuple[str, ...]) -> Target:
     """`base` with the features starting with any of `disable` turned off (e.g. ("avx512",) to
-    test the AVX2 code paths on an AVX-512 host)."""
+    test the AVX2 code paths on an AVX-512 host). Dropping avx512 drops AVX10 too, which
+    implies it."""
     features = {f[1:]: f.startswith("+") for f in base.features.split(",") if f}
-    return Target(base.triple, base.cpu if not disable else "x86-64-v3", strip_features(features, _NEVER + disable))
+    drop = tuple(disable) + (("avx10",) if any(d.startswith("avx512") for d in disable) else ())
+    return Target(base.triple, base.cpu if not disable else "x86-64-v3", strip_features(features, _NEVER + drop))
+
+
+def avx2_only_target(base: Target | None = None) -> Target:
+    """An AVX2-only machine (AMD Zen 3: AVX2, FMA, F16C) emulated on `base` (default the host)."""
+    return restricted_target(base or host_target(), AVX2_ONLY_DROPS)

@@ -1,0 +1,130 @@
+"""Compiles: kernels built in forked worker processes (the same object code as in this process,
+failures and crashed workers reported), the per-kernel cache shared between graphs, a graph
+compiled again only bound, and the graph copy the passes work on."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from llamir.backends.base import BackendError
+from llamir.backends.llvm import LLVMBackend
+from llamir.backends.llvm import backend as backend_module
+from llamir.backends.llvm.compiler import CodegenError, can_fork, compile_jobs
+from llamir.frontend.synth import SynthSpec, write_model
+from llamir.ir import F16, F32, GraphBuilder, ops, print_graph, run_graph
+
+needs_fork = pytest.mark.skipif(not can_fork(), reason="compiles run in forked processes only on Linux")
+rng = np.random.default_rng(5)
+
+
+def _graph(act: str = "silu", n: int = 40):
+    b = GraphBuilder("g", dims=["T"])
+    x, w = b.input("x", ["T", n], F32), b.weight("w", [n], F32)
+    h = b.op(ops.RmsNormMul(eps=1e-5), x, w, name="norm")
+    y = b.mul_mat(b.weight("m", [16, n], F16), h)
+    b.output("y", b.silu(y) if act == "silu" else b.gelu(y))
+    return b.graph
+
+
+def _values(T: int, n: int = 40):
+    return {"x": rng.standard_normal((T, n)).astype(np.float32), "w": rng.standard_normal(n).astype(np.float32),
+            "m": rng.standard_normal((16, n)).astype(np.float16)}
+
+
+@needs_fork
+def test_jobs_in_workers_return_in_order_and_run_elsewhere():
+    jobs = [lambda i=i: f"{i}:{os.getpid()}".encode() for i in range(7)]
+    results = compile_jobs(jobs, workers=3)
+    assert [r[0].split(b":")[0] for r in results] == [str(i).encode() for i in range(7)]
+    assert all(int(r[0].split(b":")[1]) != os.getpid() for r in results) and all(r[1] >= 0 for r in results)
+    assert compile_jobs(jobs[:1], workers=3)[0][0] == f"0:{os.getpid()}".encode()   # one job: no fork
+
+
+@needs_fork
+def test_a_failing_job_raises_its_own_error_naming_it():
+    def bad():
+        raise ValueError("no such lane")
+
+    with pytest.raises(ValueError, match="no such lane") as info:
+        compile_jobs([lambda: b"ok", bad, lambda: b"ok"], workers=2, names=["a", "kernel_b", "c"])
+    assert any("kernel_b" in note for note in info.value.__notes__)
+
+
+@needs_fork
+def test_a_worker_killed_by_llvm_is_a_codegen_error():
+    with pytest.raises(CodegenError, match=r"kernel_x: the compiler process died \(killed by signal 6\)"):
+        compile_jobs([lambda: b"ok", os.abort], workers=2, names=["ok", "kernel_x"])
+
+
+@needs_fork
+def test_workers_emit_the_same_object_code_as_this_process():
+    g = _graph()
+    LLVMBackend._shared_caches.clear()
+    serial = LLVMBackend(n_threads=1, disk_cache=False, compile_workers=1)
+    serial.compile(g)
+    LLVMBackend._shared_caches.clear()
+    parallel = LLVMBackend(n_threads=1, disk_cache=False, compile_workers=3)
+    exe = parallel.compile(g)
+    assert parallel.cache is not serial.cache and parallel.cache.memory == serial.cache.memory
+    values = _values(6)
+    np.testing.assert_array_equal(exe(values, {"T": 6})["y"], run_graph(g, values, {"T": 6})["y"])
+    LLVMBackend._shared_caches.clear()
+
+
+def test_kernels_are_shared_between_graphs_through_the_cache(tmp_path):
+    first = LLVMBackend(n_threads=1, cache_dir=tmp_path)
+    first.compile(_graph("silu"))
+    n_kernels = first.compile_stats.n_kernels
+    other = _graph("gelu")                       # the same norm and matmul, another activation
+    exe = first.compile(other)
+    assert first.compile_stats.cache == "miss (1 new kernels)" and first.compile_stats.n_kernels == n_kernels
+    values = _values(3)
+    np.testing.assert_array_equal(exe(values, {"T": 3})["y"], run_graph(other, values, {"T": 3})["y"])
+    LLVMBackend._shared_caches.clear()
+
+
+def test_the_same_graph_again_is_only_bound(tmp_path, monkeypatch):
+    g = _graph(n=56)
+    LLVMBackend(n_threads=2, cache_dir=tmp_path).compile(g)
+
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("a graph compiled before was lowered again")
+
+    monkeypatch.setattr(backend_module, "Lowerer", no_lowering)
+    again = LLVMBackend(n_threads=2, cache_dir=tmp_path)     # a second context's backend, same process
+    exe = again.compile(g)
+    assert again.compile_stats.cache == "hit"
+    values = _values(4, 56)
+    np.testing.assert_array_equal(exe(values, {"T": 4})["y"], run_graph(g, values, {"T": 4})["y"])
+    with pytest.raises(BackendError, match="lowered again"):   # another thread count is another plan
+        LLVMBackend(n_threads=3, cache_dir=tmp_path).compile(g)
+    LLVMBackend._shared_caches.clear()
+
+
+def test_the_graph_copy_prints_as_the_model_graph(tmp_path, monkeypatch):
+    """The copy the passes rewrite is the graph the context built: same text, its own nodes."""
+    import llamir
+
+    copies = []
+    real_copy = backend_module._copy_graph
+
+    def spy(graph):
+        copy = real_copy(graph)
+        copies.append((print_graph(graph), print_graph(copy)))
+        assert all(a is not b for a, b in zip(copy.all_values(), graph.all_values(), strict=True))
+        assert all(x.graph is copy for x in copy.all_values())
+        users = {id(n): [id(u) for u in n.users] for n in copy.all_values()}
+        copy.rebuild_users()
+        assert users == {id(n): [id(u) for u in n.users] for n in copy.all_values()}
+        return copy
+
+    monkeypatch.setattr(backend_module, "_copy_graph", spy)
+    path = write_model(tmp_path / "m.gguf", SynthSpec(n_layer=2, dtype="q4_0"))
+    backend = LLVMBackend(n_threads=1, cache_dir=tmp_path / "cache")
+    ctx = llamir.Context(llamir.load_model(path), n_ctx=32, n_batch=8, n_ubatch=8, backend=backend)
+    assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3], logits="last")) == 0
+    assert copies and all(original == copy for original, copy in copies)
+    LLVMBackend._shared_caches.clear()
