@@ -14,7 +14,7 @@ import pytest
 from test_ops_matmul_quant import rows, weight  # the same weights and activations as the host's tests
 
 from llamir.backends.llvm import LLVMBackend
-from llamir.backends.llvm.target import host_target, restricted_target
+from llamir.backends.llvm.target import AVX2_ONLY_DROPS, avx2_only_target, host_target, restricted_target
 from llamir.ir import F32, I32, GraphBuilder, dtype_named, run_graph
 
 f32 = np.float32
@@ -25,9 +25,10 @@ _BACKENDS: dict = {}
 
 
 def isa_target(isa: str):
-    """"avx2": Zen 3 (no AVX-512, no VNNI); "avxvnni": AVX2 with AVX-VNNI (needs a host that has it)."""
-    disable = ("avx512", "avxvnni") if isa == "avx2" else ("avx512",)
-    return restricted_target(host_target(), disable)
+    """"avx2": Zen 3 (no AVX-512, VNNI or GFNI); "avxvnni": that with AVX-VNNI (needs a host that has it)."""
+    if isa == "avx2":
+        return avx2_only_target()
+    return restricted_target(host_target(), tuple(d for d in AVX2_ONLY_DROPS if d != "avxvnni"))
 
 
 def backend(profile: str, isa: str) -> LLVMBackend:
@@ -163,9 +164,9 @@ def test_experts(rng, isa, kind, name):
 
 _CODEGEN = """
 from llamir.backends.llvm import LLVMBackend
-from llamir.backends.llvm.target import Target, host_target, restricted_target
+from llamir.backends.llvm.target import Target, avx2_only_target
 from llamir.ir import F32, GraphBuilder, dtype_named
-base = restricted_target(host_target(), ("avx512", "avxvnni"))
+base = avx2_only_target()
 t = Target(base.triple, base.cpu, base.features.replace("-avxvnni", "+avxvnni"))
 assert t.vnni and not t.vnni512, t.features
 be = LLVMBackend(n_threads=1, disk_cache=False, numerics="avx2", target=t)

@@ -39,20 +39,23 @@ def dot4(em: Emitter, acc, a_u8, b_s8):
     return total if _is_zero(acc) else em.b.add(acc, total)
 
 
-def dot4_sum(em: Emitter, acc, pairs: list):
-    """acc + the 4-value lanes of sum over (a_u8, b_s8) in pairs: one vpdpbusd chain with VNNI,
-    else the vpmaddubsw results summed in int16 first (callers keep the int16 sum in range: at
-    most 8 chunks of 4-bit values against int8)."""
+def dot4_chunks(em: Emitter, accs: list, chunks: list, x_at) -> list:
+    """For each token j: accs[j] + the 4-value lanes of sum over (c, w) in chunks of w . x_at(j, c),
+    chunk by chunk (few weight registers live): vpdpbusd chains with VNNI, else int16 sums of
+    vpmaddubsw (callers keep them in range: at most 8 chunks of 4-bit values against int8) and one
+    vpmaddwd a token."""
+    b = em.b
     if em.target.vnni:
-        for a, x in pairs:
-            acc = em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, a, x])
-        return acc
-    s16 = None
-    for a, x in pairs:
-        p = maddubs(em, a, x)
-        s16 = p if s16 is None else em.b.add(s16, p)
-    total = madd_pairs(em, s16)
-    return total if _is_zero(acc) else em.b.add(acc, total)
+        for c, w in chunks:
+            accs = [em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I32, [acc, w, x_at(j, c)])
+                    for j, acc in enumerate(accs)]
+        return accs
+    sums: list = [None] * len(accs)
+    for c, w in chunks:
+        for j in range(len(accs)):
+            p = maddubs(em, w, x_at(j, c))
+            sums[j] = p if sums[j] is None else b.add(sums[j], p)
+    return [madd_pairs(em, s) if _is_zero(acc) else b.add(acc, madd_pairs(em, s)) for acc, s in zip(accs, sums)]
 
 
 def chunk_dot_signed(em: Emitter, w_s8, x_s8, x_abs):

@@ -162,12 +162,12 @@ def tile_tokens_256(fmt: QFormat) -> int:
 
 def tile_256(fmt: QFormat, K: int, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int, M, valid, nb: int,
              row_bytes: int) -> None:
-    """16 rows x rn tokens as two 8-row halves: "block" runs both halves in one pass over K (the
-    int16 sums of a half's 8 chunks fit, 4-bit values); "lanes8" runs one half at a time."""
+    """16 rows x rn tokens as two 8-row halves, one pass over K each."""
     rows = [em.gep(x_ptr, em.mul(em.add(nt, j), row_bytes)) for j in range(rn)]
     out = _Out256(em, y_ptr, g, nt, M, valid)
     if fmt.order == "block":
-        _block_order_256(fmt, K, em, wg, rows, out, nb)
+        for halves in ([(0, 1)] if rn <= 2 else [(0,), (1,)]):
+            _block_order_256(fmt, K, em, wg, rows, out, nb, halves)
     elif fmt.corr == "abs":     # signed Q8_0: a group flagged for a -128 weight takes int32 products
         flagged = em.b.icmp_signed("!=", em.load(I32, wg, fmt.quant_bytes + fmt.scale_bytes), ir.Constant(I32, 0))
         with em.if_else(flagged) as (then, otherwise):
@@ -215,26 +215,31 @@ def _half_f16(em: Emitter, wb, off: int, h: int):
     return em.b.fpext(em.load(vec(F16, H), wb, off + 2 * H * h), vec(F32, H))
 
 
-def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int) -> None:
+def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int,
+                     halves: tuple[int, ...]) -> None:
+    """`halves` over K: per block, chunk by chunk (few weight registers), each token's vpmaddubsw
+    into its int16 sum (or a vpdpbusd chain from the block's correction), then one float update a
+    token. A wide tile takes the halves in separate passes: in one loop LLVM shares their
+    activation loads and spills them; a narrow one (token generation) reads its weights once."""
     b = em.b
     _, off_d, _, off_corr, _ = act_layout(fmt, K)
     vf = vec(F32, H)
-    accs = [[em.var(vf, ir.Constant(vf, [0.0] * H)) for _ in rows] for _ in range(2)]
+    accs = {(h, j): em.var(vf, ir.Constant(vf, [0.0] * H)) for h in halves for j in range(len(rows))}
     with em.loop(0, nb, name="blk") as k:
         wb = em.gep(wg, em.mul(k, fmt.block_bytes))
-        dx = [em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), H) for xr in rows]
-        for h in range(2):
+        xq = [em.gep(xr, em.mul(k, fmt.bs)) for xr in rows]
+        for h in halves:
+            corr = [em.splat(em.load(I32, xr, em.add(off_corr, em.mul(k, 4))), H, I32) for xr in rows]
             chunks = _half_chunks(em, fmt, wb, h)
+            half = len(chunks) // 2          # chunk v and v + C/2 come from one load of nibbles
+            order = [(c, chunks[c]) for v in range(half) for c in (v, v + half)]
+            sums = int_dot.dot4_chunks(em, corr, order, lambda j, c: int_dot.bcast4(em, xq[j], 4 * c))
             ws = _half_f16(em, wb, fmt.quant_bytes, h)
             for j, xr in enumerate(rows):
-                xq = em.gep(xr, em.mul(k, fmt.bs))
-                corr = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(k, 4))), H, I32)
-                pairs = [(w, int_dot.bcast4(em, xq, 4 * c)) for c, w in enumerate(chunks)]
-                isum = int_dot.dot4_sum(em, corr, pairs)
-                em.set(accs[h][j], em.fma(b.sitofp(isum, vf), b.fmul(dx[j], ws), em.get(accs[h][j])))
-    for h in range(2):
-        for j in range(len(rows)):
-            out.store(h, j, em.get(accs[h][j]))
+                dx = em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), H)
+                em.set(accs[h, j], em.fma(b.sitofp(sums[j], vf), b.fmul(dx, ws), em.get(accs[h, j])))
+    for (h, j), acc in accs.items():
+        out.store(h, j, em.get(acc))
 
 
 def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int, h: int,
