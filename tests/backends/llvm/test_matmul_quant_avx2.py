@@ -183,3 +183,25 @@ def test_avxvnni_codegen():
     cannot select aborts the process), whether or not this host could run them."""
     done = subprocess.run([sys.executable, "-c", _CODEGEN], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("profile", ["avx2", "avx512"])
+def test_q8_0_model_reproduces_the_recorded_builds(tmp_path, profile):
+    """A whole q8_0 model on the Zen 3 target gives the logits recorded from that profile's x86 build
+    of llama.cpp (tests/data/oracle_logits, see tests/context/test_recorded_builds.py), bit for bit."""
+    import hashlib
+    from pathlib import Path
+
+    import llamir
+    from llamir.frontend.synth import SynthSpec, write_model
+
+    name = "llama-q8_0-f32kv"
+    with np.load(Path(__file__).parents[2] / "data" / "oracle_logits" / f"{profile}.npz") as f:
+        digest, want = str(f[f"{name}/sha256"]), f[f"{name}/batch"]
+    path = write_model(tmp_path / f"{name}.gguf", SynthSpec(arch="llama", dtype="q8_0", n_embd=256, n_ff=512, seed=16))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, "synth wrote a different file"
+    prompt = [int(t) for t in np.random.RandomState(5).randint(3, 500, size=40)]
+    ctx = llamir.Context(llamir.load_model(path), backend=backend(profile, "avx2"), numerics=profile, n_ctx=256,
+                         n_batch=64, n_ubatch=64, flash_attn="off", type_k="f32", type_v="f32")
+    assert ctx.decode(llamir.Batch.from_tokens(prompt, logits="all")) == 0, ctx.last_error
+    assert_same(ctx.get_logits().copy(), want, f"q8_0 model, {profile} profile, AVX2-only target")

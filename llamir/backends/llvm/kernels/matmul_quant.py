@@ -168,16 +168,19 @@ def tile_256(fmt: QFormat, K: int, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int
     if fmt.order == "block":
         for halves in ([(0, 1)] if rn <= 2 else [(0,), (1,)]):
             _block_order_256(fmt, K, em, wg, rows, out, nb, halves)
-    elif fmt.corr == "abs":     # signed Q8_0: a group flagged for a -128 weight takes int32 products
+    else:
+        passes = [(0,), (1,)]     # 8 accumulators a (half, token): one half at a time, even for one token
+        if fmt.corr != "abs":
+            for halves in passes:
+                _lanes8_256(fmt, K, em, wg, rows, out, nb, halves)
+            return
+        # signed Q8_0: a group flagged for a -128 weight takes int32 products
         flagged = em.b.icmp_signed("!=", em.load(I32, wg, fmt.quant_bytes + fmt.scale_bytes), ir.Constant(I32, 0))
         with em.if_else(flagged) as (then, otherwise):
             for branch, wide in ((then, True), (otherwise, False)):
                 with branch:
-                    for h in range(2):
-                        _lanes8_half_256(fmt, K, em, wg, rows, out, nb, h, wide)
-    else:
-        for h in range(2):
-            _lanes8_half_256(fmt, K, em, wg, rows, out, nb, h)
+                    for halves in passes:
+                        _lanes8_256(fmt, K, em, wg, rows, out, nb, halves, wide)
 
 
 class _Out256:
@@ -242,48 +245,52 @@ def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Ou
         out.store(h, j, em.get(acc))
 
 
-def _lanes8_half_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int, h: int,
-                     wide: bool = False) -> None:
+def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int,
+                halves: tuple[int, ...], wide: bool = False) -> None:
+    """`halves` over K in vec_dot's lanes8 order: 8 accumulators per (half, token), one per chunk."""
     b = em.b
     _, off_d, off_aux, off_corr, _ = act_layout(fmt, K)
     vf, vi = vec(F32, H), vec(I32, H)
     zero = ir.Constant(vf, [0.0] * H)
-    accs = [[em.var(vf, zero) for _ in range(fmt.chunks)] for _ in rows]
-    mins = [em.var(vf, zero) for _ in rows] if fmt.min else []
+    keys = [(h, j) for h in halves for j in range(len(rows))]
+    accs = {key: [em.var(vf, zero) for _ in range(fmt.chunks)] for key in keys}
+    mins = {key: em.var(vf, zero) for key in keys} if fmt.min else {}
     izero = ir.Constant(vi, [0] * H)
-    with em.loop(0, nb, name=f"blk{h}") as k:
+    with em.loop(0, nb, name="blk") as k:
         wb = em.gep(wg, em.mul(k, fmt.block_bytes))
-        ws = _half_f16(em, wb, fmt.quant_bytes, h)
-        wm = _half_f16(em, wb, fmt.quant_bytes + fmt.scale_bytes, h) if fmt.min else None
+        for h in halves:
+            ws = _half_f16(em, wb, fmt.quant_bytes, h)
 
-        def lanes(j: int, xr, chunk_dot):
-            dx = em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), H)
-            scale = b.fmul(dx, ws)
-            for c in range(fmt.chunks):
-                p = chunk_dot(j, xr, c)
-                em.set(accs[j][c], em.fma(scale, b.sitofp(p, vf), em.get(accs[j][c])))
+            def lanes(j: int, xr, chunk_dot, h=h, ws=ws):
+                dx = em.splat(em.load(F32, xr, em.add(off_d, em.mul(k, 4))), H)
+                scale = b.fmul(dx, ws)
+                for c in range(fmt.chunks):
+                    acc = accs[h, j][c]
+                    em.set(acc, em.fma(scale, b.sitofp(chunk_dot(j, xr, c), vf), em.get(acc)))
 
-        if fmt.corr == "abs":
-            for j, xr in enumerate(rows):
-                lanes(j, xr, _signed_dot(em, fmt, wb, h, k, off_corr, wide))
-        else:
-            chunks = _half_chunks(em, fmt, wb, h)
-            for j, xr in enumerate(rows):
-                def dot(j, xr, c, chunks=chunks):
-                    init = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(em.add(em.mul(k, fmt.chunks), c), 4))),
-                                    H, I32) if fmt.corr == "chunk" else izero
-                    return int_dot.dot4(em, init, chunks[c], int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c))
-                lanes(j, xr, dot)
-        if wm is not None:
-            for j, xr in enumerate(rows):
-                aux = em.splat(em.load(F32, xr, em.add(off_aux, em.mul(k, 4))), H)
-                em.set(mins[j], em.fma(wm, aux, em.get(mins[j])))
-    for j in range(len(rows)):
-        a_ = [em.get(x) for x in accs[j]]
+            if fmt.corr == "abs":
+                for j, xr in enumerate(rows):
+                    lanes(j, xr, _signed_dot(em, fmt, wb, h, k, off_corr, wide))
+            else:
+                chunks = _half_chunks(em, fmt, wb, h)
+                for j, xr in enumerate(rows):
+                    def dot(j, xr, c, chunks=chunks):
+                        init = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(em.add(em.mul(k, fmt.chunks), c), 4))),
+                                        H, I32) if fmt.corr == "chunk" else izero
+                        x = int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c)
+                        return int_dot.dot4(em, init, chunks[c], x)
+                    lanes(j, xr, dot)
+            if fmt.min:
+                wm = _half_f16(em, wb, fmt.quant_bytes + fmt.scale_bytes, h)
+                for j, xr in enumerate(rows):
+                    aux = em.splat(em.load(F32, xr, em.add(off_aux, em.mul(k, 4))), H)
+                    em.set(mins[h, j], em.fma(wm, aux, em.get(mins[h, j])))
+    for (h, j), lane_accs in accs.items():
+        a_ = [em.get(x) for x in lane_accs]
         total = b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
                        b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7])))
         if mins:
-            total = b.fadd(total, em.get(mins[j]))
+            total = b.fadd(total, em.get(mins[h, j]))
         out.store(h, j, total)
 
 
