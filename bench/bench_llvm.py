@@ -187,11 +187,17 @@ def table(report: dict) -> str:
                 roof = entry["roofline_tg_tps"]
                 row += f"   {roof:11.1f} {100 * ours / roof:7.0f}% {100 * theirs / roof:10.0f}%"
             lines.append(row)
-    lines += ["", f"compile (s, new Context to the first token's logits, isa {isa['isa']}): cold (new process, "
-              "empty cache dir) / warm (second Context, same process) / disk (new process, cache on disk)"]
+    lines += ["", f"compile (s, new Context to the first token's logits, isa {isa['isa']}); in brackets the "
+              "backend's compile alone, wall and CPU (this process + compile workers):",
+              "  cold (new process, empty cache dir) / warm (second Context, same process) / disk (new process, "
+              "cache on disk)"]
     for name, entry in report["models"].items():
         c = entry["compile_s"]
-        lines.append(f"  {name:14s} {c['cold']:6.2f} / {c['warm']:5.2f} / {c['disk']:5.2f}")
+        parts = []
+        for k in ("cold", "warm", "disk"):
+            wall, cpu = (sum(d[f] for d in c[k + "_detail"]) for f in ("seconds", "cpu_seconds"))
+            parts.append(f"{c[k]:5.2f} ({wall:4.2f}, cpu {cpu:4.2f})")
+        lines.append(f"  {name:14s} " + " / ".join(parts))
     lines += ["", "one generated token (ms): total = native (kernels + barriers) + Python (executable, context)"]
     for name, entry in report["models"].items():
         x = entry["tg128"]["llamir"]["extra"]

@@ -184,7 +184,7 @@ def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_pr
         result.extra.update(_token_breakdown(ctx, be, gen))
     stats = getattr(be, "compile_stats", None)
     if stats is not None:
-        result.extra["compile"] = [{"graph": g, "cache": c, "seconds": s} for g, c, s in stats.history]
+        result.extra["compile"] = [record._asdict() for record in stats.history]
     return result
 
 
@@ -310,8 +310,7 @@ def _compile_job(path: str, threads: int, isa: str, contexts: int) -> dict:
         ctx = llamir.Context(model, n_ctx=256, n_batch=64, n_ubatch=64, backend=be, flash_attn="on")
         _ok(ctx, llamir.Batch.from_tokens([1], logits="last"))
         seconds = time.perf_counter() - t0
-        runs.append({"seconds": seconds, "compiles": [{"graph": g, "cache": c, "seconds": s}
-                                                      for g, c, s in be.compile_stats.history]})
+        runs.append({"seconds": seconds, "compiles": [record._asdict() for record in be.compile_stats.history]})
         be.close()
     return {"runs": runs}
 

@@ -8,7 +8,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from llamir.backends.base import Backend, BackendError, cpu_device, default_threads
 from llamir.backends.llvm.cache import CompileCache
@@ -20,7 +20,7 @@ from llamir.backends.llvm.codegen import (
     kernel_module,
     kernel_symbol,
 )
-from llamir.backends.llvm.compiler import CodegenError, compile_jobs, optimize_and_emit
+from llamir.backends.llvm.compiler import CodegenError, can_fork, compile_jobs, optimize_and_emit
 from llamir.backends.llvm.compiler import compile_workers as default_compile_workers
 from llamir.backends.llvm.executable import CompiledSplit
 from llamir.backends.llvm.lowering import Lowerer, supported
@@ -34,17 +34,30 @@ log = logging.getLogger("llamir")
 DEFAULT_PASSES = "unfuse-attention,cse,fuse-rms-norm,fuse-norm,dce"
 
 
+class CompileRecord(NamedTuple):
+    """One compile in CompileStats.history."""
+
+    graph: str
+    cache: str
+    seconds: float          # wall
+    cpu_seconds: float      # CPU of this thread and of the worker processes
+
+
 @dataclass
 class CompileStats:
     """What the last compile did, for reports: wall seconds of the whole compile and of its
     phases (planning, compiling the missing modules, linking), the seconds the modules' compiles
-    took summed over the worker processes (llvm_s), and the cache outcome."""
+    took summed over the worker processes (llvm_s; CPU seconds: llvm_cpu_s), and the cache
+    outcome."""
 
     plan_s: float = 0.0
     compile_s: float = 0.0
     llvm_s: float = 0.0
+    llvm_cpu_s: float = 0.0
     link_s: float = 0.0
     wall_s: float = 0.0
+    cpu_s: float = 0.0              # this thread's
+    in_workers: bool = False        # the modules were compiled in worker processes
     cache: str = ""
     n_kernels: int = 0
     n_steps: int = 0
@@ -54,6 +67,11 @@ class CompileStats:
     @property
     def total_s(self) -> float:
         return self.wall_s
+
+    @property
+    def total_cpu_s(self) -> float:
+        """CPU seconds of the compile: this thread's, plus the worker processes' when they ran."""
+        return self.cpu_s + (self.llvm_cpu_s if self.in_workers else 0.0)
 
 
 def _copy_graph(graph: Graph) -> Graph:
@@ -151,7 +169,7 @@ class LLVMBackend(Backend):
             names = ", ".join(sorted({n.op.name for n in unsupported}))
             raise BackendError(f"backend llvm cannot run: {names}")
         stats = CompileStats(history=self.compile_stats.history)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         text = print_graph(graph)
         passes = "unfuse-attention" if observe_variant else self.passes
         variant = ("observe|" if observe_variant else "") + f"{self.numerics}|" + passes
@@ -165,8 +183,8 @@ class LLVMBackend(Backend):
             self.cache.keep_split(f"{entry_key}|{self.n_threads}", (g, plan, tracker, addrs, n_kernels))
         stats.n_kernels = n_kernels
         stats.n_steps, stats.n_stages = len(plan.steps), plan.n_stages
-        stats.wall_s = time.perf_counter() - t0
-        stats.history.append((graph.name, stats.cache, stats.total_s))
+        stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+        stats.history.append(CompileRecord(graph.name, stats.cache, stats.total_s, stats.total_cpu_s))
         self.compile_stats = stats
         log.info("llvm: compiled %s (%d steps, %d stages, %d kernels, %s) in %.2fs", graph.name, stats.n_steps,
                  stats.n_stages, stats.n_kernels, stats.cache, stats.total_s)
@@ -206,10 +224,12 @@ class LLVMBackend(Backend):
             todo.sort(key=lambda i: -_compile_weight(kernels[i]) if i < len(kernels) else 0)
             names = [kernel_symbol(kernels[i]) if i < len(kernels) else f"entry of {g.name}" for i in todo]
             compiled = compile_jobs([job(i) for i in todo], self.compile_workers, names)
-            for i, (obj, seconds) in zip(todo, compiled, strict=True):
+            stats.in_workers = can_fork() and min(self.compile_workers, len(todo)) > 1
+            for i, (obj, seconds, cpu_seconds) in zip(todo, compiled, strict=True):
                 self.cache.put(keys[i], obj)
                 objects[i] = obj
                 stats.llvm_s += seconds
+                stats.llvm_cpu_s += cpu_seconds
             stats.compile_s = time.perf_counter() - t1
         n_new = sum(1 for i in todo if i < len(kernels))
         stats.cache = "hit" if not todo else (f"miss ({n_new} new kernels)" if n_new else "miss (entry)")

@@ -74,8 +74,9 @@ def can_fork() -> bool:
     return hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
-def compile_jobs(jobs: Sequence[Job], workers: int, names: Sequence[str] | None = None) -> list[tuple[bytes, float]]:
-    """(object code, seconds) of each job. With `workers` > 1 and more than one job, forked
+def compile_jobs(jobs: Sequence[Job], workers: int,
+                 names: Sequence[str] | None = None) -> list[tuple[bytes, float, float]]:
+    """(object code, seconds, CPU seconds) of each job. With `workers` > 1 and more than one job, forked
     children take the jobs in order as they finish the last (the caller lists the costly ones
     first); otherwise, or where fork is not available, they run here one after another. The
     first job that fails raises its exception here (with a note naming it); a child killed by
@@ -87,10 +88,10 @@ def compile_jobs(jobs: Sequence[Job], workers: int, names: Sequence[str] | None 
     return _ForkPool(jobs, names, workers).run()
 
 
-def _timed(job: Job) -> tuple[bytes, float]:
-    t0 = time.perf_counter()
+def _timed(job: Job) -> tuple[bytes, float, float]:
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     obj = job()
-    return obj, time.perf_counter() - t0
+    return obj, time.perf_counter() - t0, time.thread_time() - cpu0
 
 
 @contextlib.contextmanager
@@ -110,14 +111,15 @@ def _llvm_quiet():
 
 class _ForkPool:
     """Children that run jobs by index: the parent writes an index (4 bytes, -1 to stop), the
-    child answers with a length-prefixed pickle of ("ok", obj, seconds) or ("error", text)."""
+    child answers with a length-prefixed pickle of ("ok", obj, seconds, CPU seconds) or
+    ("error", exception)."""
 
     def __init__(self, jobs: Sequence[Job], names: Sequence[str], workers: int):
         self.jobs, self.names, self.workers = jobs, names, workers
         self.parent_fds: list[int] = []     # the parent's pipe ends: a new child closes its copies
 
-    def run(self) -> list[tuple[bytes, float]]:
-        results: list[tuple[bytes, float] | None] = [None] * len(self.jobs)
+    def run(self) -> list[tuple[bytes, float, float]]:
+        results: list[tuple[bytes, float, float] | None] = [None] * len(self.jobs)
         children: dict[int, tuple[int, int, int]] = {}     # pid -> (to child, from child, job index)
         pending = iter(range(len(self.jobs)))
         failure: BaseException | None = None
@@ -139,7 +141,7 @@ class _ForkPool:
                         del children[pid]
                         continue
                     if answer[0] == "ok":
-                        results[job] = (answer[1], answer[2])
+                        results[job] = answer[1:]
                     elif failure is None:
                         failure = answer[1]
                         failure.add_note(f"while compiling {self.names[job]} in a worker process")
@@ -179,8 +181,7 @@ class _ForkPool:
                 if index < 0:
                     break
                 try:
-                    obj, seconds = _timed(self.jobs[index])
-                    answer = ("ok", obj, seconds)
+                    answer = ("ok", *_timed(self.jobs[index]))
                 except BaseException as err:  # noqa: BLE001 - any failure goes back to the parent
                     answer = ("error", err)
                 try:

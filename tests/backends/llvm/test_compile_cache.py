@@ -5,6 +5,7 @@ compiled again only bound, and the graph copy the passes work on."""
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -55,8 +56,11 @@ def test_a_failing_job_raises_its_own_error_naming_it():
 
 @needs_fork
 def test_a_worker_killed_by_llvm_is_a_codegen_error():
-    with pytest.raises(CodegenError, match=r"kernel_x: the compiler process died \(killed by signal 6\)"):
-        compile_jobs([lambda: b"ok", os.abort], workers=2, names=["ok", "kernel_x"])
+    def crash():     # as an LLVM fatal error would (SIGKILL: no faulthandler dump in the test log)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(CodegenError, match=r"kernel_x: the compiler process died \(killed by signal 9\)"):
+        compile_jobs([lambda: b"ok", crash], workers=2, names=["ok", "kernel_x"])
 
 
 @needs_fork
@@ -69,6 +73,9 @@ def test_workers_emit_the_same_object_code_as_this_process():
     parallel = LLVMBackend(n_threads=1, disk_cache=False, compile_workers=3)
     exe = parallel.compile(g)
     assert parallel.cache is not serial.cache and parallel.cache.memory == serial.cache.memory
+    stats, record = parallel.compile_stats, parallel.compile_stats.history[-1]
+    assert stats.in_workers and not serial.compile_stats.in_workers
+    assert record.cpu_seconds == stats.cpu_s + stats.llvm_cpu_s and stats.llvm_cpu_s > 0
     values = _values(6)
     np.testing.assert_array_equal(exe(values, {"T": 6})["y"], run_graph(g, values, {"T": 6})["y"])
     LLVMBackend._shared_caches.clear()
