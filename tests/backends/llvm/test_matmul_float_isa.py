@@ -175,3 +175,24 @@ def test_inner_loops_do_not_spill(profile, target, n):
         for body in loops:
             spills = [x for x in body if "rsp" in x]
             assert not spills, f"{dtype} {profile} on {target}: {len(spills)} stack accesses in a hot loop"
+
+
+@pytest.mark.parametrize("n", [1, 6], ids=["vec_dot", "tinyblas"])
+def test_bf16_denormals_and_specials(backend, n):
+    """vdpbf16ps flushes denormal inputs and results (DAZ, FTZ): denormal weights, products that
+    underflow, sums that cancel to denormals, infinities and NaNs give the reference's bits
+    whether the instruction is emulated or native (AVX512_BF16 hosts with the avx512 profile)."""
+    m, k = 8, 128
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, ::3] = 3e-39                       # denormal weights
+    x[1] = 1e-20                            # products 1e-40: denormal
+    x[2, :64] = 1.5e-38
+    x[2, 64:] = -1.5e-38                    # sums cancelling near the smallest normal
+    x[3, 5] = np.inf
+    x[4, 7] = np.nan
+    b = rng.standard_normal((n, k)).astype(np.float32)
+    b[:, 1::2] *= 1e-20
+    b[:, 0] = 2e-39
+    g = GraphBuilder("g")
+    g.output("y", g.mul_mat(g.weight("a", [m, k], BF16), g.input("b", [n, k], F32)))
+    _same(backend, g.graph, {"a": _weight(x, BF16), "b": b})

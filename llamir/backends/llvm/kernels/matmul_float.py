@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from llamir.backends.llvm import vmath
-from llamir.backends.llvm.emit import F32, F64, Emitter, storage_type, vec
+from llamir.backends.llvm.emit import F32, F64, I16, I32, Emitter, storage_type, vec
 from llamir.backends.llvm.plan import Kernel, Ref
 
 RM = 4                  # weight rows per register tile (tinyBLAS needs M % 4 == 0)
@@ -106,6 +106,18 @@ def ftz(em: Emitter, x):
     return em.b.select(tiny, zero, x)
 
 
+def native_dpbf16(em: Emitter) -> bool:
+    """vdpbf16ps itself (AVX512_BF16) rather than its emulation: same bits, one instruction."""
+    return em.numerics.bf16_dot and em.target.avx512 and em.target.has("avx512bf16")
+
+
+def dpbf16_raw(em: Emitter, acc, a16, b16):
+    """vdpbf16ps on 32 bf16 bit patterns each (<32 x i16>) into 16 f32 lanes."""
+    i32x16 = vec(I32, 16)
+    return em.intrinsic("llvm.x86.avx512bf16.dpbf16ps.512", acc.type,
+                        [acc, em.b.bitcast(a16, i32x16), em.b.bitcast(b16, i32x16)])
+
+
 def dpbf16(em: Emitter, acc, a32, b32):
     """vdpbf16ps on 2n bf16 values held as f32 (n = acc's lanes): lane j += a[2j+1]*b[2j+1], then
     += a[2j]*b[2j]."""
@@ -179,7 +191,8 @@ class MatMulFloat(Kernel):
         """n-blocks of b rows (kept in L2 while every unit of this thread passes over them) x RM
         weight rows x K chunks (kept in L1) x tiles; the accumulators of an n-block wait in the
         scratch between K chunks (ggml's tinyBLAS also keeps a block of b hot across weight rows)."""
-        widen = self.a_dtype != "f32"
+        native = self._dp and native_dpbf16(em)
+        widen = self.a_dtype != "f32" and not native   # vdpbf16ps reads the bf16 rows as they are
         lanes = self.numerics.lanes
         tiles = float_tiles(em, self.a_dtype)
         rn = tiles.rn
@@ -206,7 +219,7 @@ class MatMulFloat(Kernel):
 
                     def tile(nt, n, chunk=chunk, arow=arow, B=B, Y=Y, mt=mt):
                         acc = em.gep(accbuf, em.mul(em.sub(nt, n0), RM * tiles.acc_lanes * 4))
-                        self._tile(em, tiles, arow, B, Y, acc, chunk, mt, nt, n, ldb, ldy)
+                        self._tile(em, tiles, arow, B, Y, acc, chunk, mt, nt, n, ldb, ldy, native)
 
                     em.tiles(n0, n1, rn, tile, name="nt")
 
@@ -214,12 +227,14 @@ class MatMulFloat(Kernel):
         return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]
 
     def _tile(self, em: Emitter, tiles: FloatTiles, arow, B, Y, acc_ptr, chunk: _Chunk, mt, nt, rn: int,
-              ldb, ldy) -> None:
+              ldb, ldy, native: bool) -> None:
         """RM x rn outputs over one K chunk, each accumulator one register-wide part at a time
         (lanes [p*width, (p+1)*width) see the same products in the same order as the whole vector
         would). Accumulators start at zero or from acc_ptr ([rn][RM][acc_lanes]), go back there,
-        and after the last chunk are joined, reduced and stored."""
+        and after the last chunk are joined, reduced and stored. `native`: a and b rows are bf16
+        bits for vdpbf16ps."""
         width, kn = tiles.width, self._kn()
+        a_size, b_size = (2 if native else 4), _size(self.b_dtype)
         span = 2 * width if self._dp else width      # inputs per part and k step
         zero = ir.Constant(vec(F32, width), [0.0] * width)
         brow = [em.gep(B, em.mul(em.add(nt, j), ldb)) for j in range(rn)]
@@ -232,14 +247,20 @@ class MatMulFloat(Kernel):
                                                                                     slot(j, i, p))))
                      for i in range(RM)] for j in range(rn)]
             with em.loop(chunk.k0, chunk.k1, kn, name=f"k{p}") as k:
-                off = em.mul(em.add(k, p * span), 4)
+                col = em.add(k, p * span)
                 # the shorter side stays in registers, the other is loaded per use (ggml's order)
-                bv = [em.load(vec(F32, span), brow[j], off) for j in range(rn)]
+                if native:
+                    bv = [em.load(vec(I16, span), brow[j], em.mul(col, 2)) for j in range(rn)]
+                else:
+                    bv = [_v(em, brow[j], em.mul(col, b_size), self.b_dtype, span) for j in range(rn)]
                 for i in range(RM):
-                    av = em.load(vec(F32, span), arow[i], off)
+                    av = em.load(vec(I16 if native else F32, span), arow[i], em.mul(col, a_size))
                     for j in range(rn):
                         acc = em.get(accs[j][i])
-                        em.set(accs[j][i], dpbf16(em, acc, av, bv[j]) if self._dp else em.fma(av, bv[j], acc))
+                        if native:
+                            em.set(accs[j][i], dpbf16_raw(em, acc, av, bv[j]))
+                        else:
+                            em.set(accs[j][i], dpbf16(em, acc, av, bv[j]) if self._dp else em.fma(av, bv[j], acc))
             for j in range(rn):
                 for i in range(RM):
                     em.store(em.get(accs[j][i]), acc_ptr, slot(j, i, p))
@@ -265,7 +286,7 @@ class MatMulFloat(Kernel):
     def _dots(self, em: Emitter, A, brow, Y, n, m, rows: int, K, lda, ldy) -> None:
         arows = [em.gep(A, em.mul(em.add(m, r), lda)) for r in range(rows)]
         if self.a_dtype == "bf16":
-            totals = vec_dot_bf16(em, arows, brow, K)
+            totals = vec_dot_bf16(em, arows, brow, K, self.b_dtype)
         else:
             totals = vec_dot_rows(em, arows, self.a_dtype, brow, "f32", K, self._asize(), 4)
         for r in range(rows):
@@ -313,12 +334,14 @@ def _leftovers(em: Emitter, arow, a_dtype: str, brow, b_dtype: str, total, main,
     return b.fptrunc(em.get(acc), F32)
 
 
-def vec_dot_bf16(em: Emitter, arows, brow, K) -> list:
-    """ggml_vec_dot_bf16 of each bf16 a row with b (bf16 values as f32): vdpbf16ps accumulators
-    c1, c2 over 64-wide steps (AVX512_BF16), or c1..c4 of 8 lanes over 32 (AVX2), each summed
-    into a double, then the leftovers into it."""
+def vec_dot_bf16(em: Emitter, arows, brow, K, b_dtype: str = "f32") -> list:
+    """ggml_vec_dot_bf16 of each bf16 a row with b (bf16 values, as f32 or as bf16 bits):
+    vdpbf16ps accumulators c1, c2 over 64-wide steps (AVX512_BF16), or c1..c4 of 8 lanes over 32
+    (AVX2), each summed into a double, then the leftovers into it."""
     b = em.b
     dp = em.numerics.bf16_dot
+    native = native_dpbf16(em) and b_dtype == "bf16"
+    b_size = _size(b_dtype)
     width, step = (16, 64) if dp else (8, 32)
     zero = ir.Constant(vec(F32, width), [0.0] * width)
     accs = [[em.var(vec(F32, width), zero) for _ in range(2 if dp else 4)] for _ in arows]
@@ -328,9 +351,13 @@ def vec_dot_bf16(em: Emitter, arows, brow, K) -> list:
             for q in range(len(accs[r])):
                 span = 32 if dp else 8
                 col = em.add(k, span * q)
-                av = _v(em, arow, em.mul(col, 2), "bf16", span)
-                bv = _v(em, brow, em.mul(col, 4), "f32", span)
                 acc = em.get(accs[r][q])
+                if native:
+                    av = em.load(vec(I16, span), arow, em.mul(col, 2))
+                    em.set(accs[r][q], dpbf16_raw(em, acc, av, em.load(vec(I16, span), brow, em.mul(col, 2))))
+                    continue
+                av = _v(em, arow, em.mul(col, 2), "bf16", span)
+                bv = _v(em, brow, em.mul(col, b_size), b_dtype, span)
                 em.set(accs[r][q], dpbf16(em, acc, av, bv) if dp else em.fma(av, bv, acc))
     totals = []
     for r, arow in enumerate(arows):
@@ -341,25 +368,27 @@ def vec_dot_bf16(em: Emitter, arows, brow, K) -> list:
             total = b.fpext(em.reduce_add_tree(b.fadd(b.fadd(c[0], c[2]), b.fadd(c[1], c[3]))), F64)
         acc = em.var(F64, total)
         with em.loop(main, K, name="left") as i:
-            p = b.fmul(_s(em, brow, em.mul(i, 4), "f32"), _s(em, arow, em.mul(i, 2), "bf16"))
+            p = b.fmul(_s(em, brow, em.mul(i, b_size), b_dtype), _s(em, arow, em.mul(i, 2), "bf16"))
             em.set(acc, b.fadd(em.get(acc), b.fpext(p, F64)))
         totals.append(b.fptrunc(em.get(acc), F32))
     return totals
 
 
 class MatPrep(Kernel):
-    """b rounded to the weight's type (f16 or bf16, kept as f32 values), written contiguous:
-    ggml's src1 conversion to the vec_dot_type. Threads take rows."""
+    """b rounded to the weight's type (f16 or bf16), written contiguous as f32 values, or as bf16
+    bits when `out` is bf16 (for vdpbf16ps): ggml's src1 conversion to the vec_dot_type. Threads
+    take rows."""
 
     def __init__(self, out: Ref, src: Ref, to: str):
         out, src = out.padded(), src.padded()
         self.to = to
+        self.out_dtype = out.dtype.name
         self.src_dtype = src.dtype.name
         self.n_ptrs = 2
         super().__init__(list(src.shape) + list(src.strides) + list(out.strides))
 
     def config(self) -> tuple:
-        return (self.to, self.src_dtype)
+        return (self.to, self.src_dtype, self.out_dtype)
 
     def emit(self, em: Emitter, a) -> None:
         from llamir.backends.llvm.kernels.rows import row_pointer
@@ -372,10 +401,13 @@ class MatPrep(Kernel):
             dst = row_pointer(em, a.ptrs[0], r, shape[:3], ost[:3])
             chunks = em.mul(em.div(shape[3], PREP_LANES), PREP_LANES)
 
+            out_size = _size(self.out_dtype)
+
             def conv(x):
                 if self.to == "f32":
                     return x
-                return em.to_f32(em.from_f32(x, self.to), self.to)
+                rounded = em.from_f32(x, self.to)
+                return rounded if self.out_dtype != "f32" else em.to_f32(rounded, self.to)
 
             with em.loop(0, chunks, PREP_LANES, name="c") as c:
                 x = _v(em, src, em.mul(c, sst[3]), self.src_dtype, PREP_LANES) if isinstance(sst[3], int) and \
@@ -385,9 +417,9 @@ class MatPrep(Kernel):
                     for j in range(PREP_LANES):
                         x = em.b.insert_element(x, _s(em, src, em.mul(em.add(c, j), sst[3]), self.src_dtype),
                                                 ir.Constant(ir.IntType(32), j))
-                em.store(conv(x), dst, em.mul(c, 4))
+                em.store(conv(x), dst, em.mul(c, out_size))
             with em.loop(chunks, shape[3], name="t") as c:
-                em.store(conv(_s(em, src, em.mul(c, sst[3]), self.src_dtype)), dst, em.mul(c, 4))
+                em.store(conv(_s(em, src, em.mul(c, sst[3]), self.src_dtype)), dst, em.mul(c, out_size))
 
 
 def _size(dtype: str) -> int:

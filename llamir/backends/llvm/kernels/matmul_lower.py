@@ -25,20 +25,21 @@ def contiguous_rows(L: Lowerer, ref: Ref, label: str) -> Ref:
     return out
 
 
-def prepared_b(L: Lowerer, node: Node, to: str) -> Ref:
-    """b rounded to `to` (f32 storage), contiguous; one per (activation, type) in the split."""
+def prepared_b(L: Lowerer, node: Node, to: str, storage: str = "f32") -> Ref:
+    """b rounded to `to`, contiguous, stored as f32 values (or bf16 bits: storage "bf16"); one per
+    (activation, type, storage) in the split."""
     b_node = node.inputs[1]
-    key = ("matprep", id(b_node), to)
+    key = ("matprep", id(b_node), to, storage)
     hit = L.cache.get(key)
     if hit is not None:
         return hit
     b = L.ref(b_node)
     shape = b.shape
-    size = E.mul(E.prod(shape), 4)
-    from llamir.ir import F32
+    from llamir.ir import BF16, F32
 
+    size = E.mul(E.prod(shape), 2 if storage == "bf16" else 4)
     buf = L.scratch(size, f"{to}_act")
-    out = L.plan.new_ref(buf, shape, F32)
+    out = L.plan.new_ref(buf, shape, BF16 if storage == "bf16" else F32)
     part = row_part(out)
     read = row_part(b) if b.is_contiguous and b.dtype.name == "f32" else None
     L.step(MatPrep(out, b, to), [out, b], [b], [out], part, [read])
@@ -50,15 +51,17 @@ def lower_float_matmul(L: Lowerer, node: Node) -> None:
     a = contiguous_rows(L, L.ref(node.inputs[0]), "a_rows")
     b = L.ref(node.inputs[1])
     a_dtype = a.dtype.name
+    b_dtype = "f32"
     if a_dtype == "f32" and b.dtype.name == "f32" and b.strides[-1] == 4:
         sgemm = b.is_contiguous
-    else:
-        b = prepared_b(L, node, a_dtype)
+    else:   # with vdpbf16ps (the avx512 profile) b is kept as bf16 bits, as ggml's vec_dot_type
+        b_dtype = "bf16" if a_dtype == "bf16" and L.numerics.bf16_dot else "f32"
+        b = prepared_b(L, node, a_dtype, b_dtype)
         sgemm = True
     y = L.out(node)
     K = a.shape[-1]
     scratch = L.scratch(E.add(E.mul(K, RM * 4), ACC_BYTES), "a_tile", per_thread=True)   # widened rows, accumulators
-    kernel = MatMulFloat(y, a, b, "f32", sgemm)
+    kernel = MatMulFloat(y, a, b, b_dtype, sgemm)
     L.step(kernel, [y, a, b, (scratch, 0)], [a, b], [y, scratch])
 
 
