@@ -21,7 +21,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
-from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8
+from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8, load_d
 from llamir.backends.llvm.kernels.quant_act import KActLayout
 from llamir.backends.llvm.kernels.repack_k import G, KFormat
 from llamir.backends.llvm.plan import Kernel
@@ -142,7 +142,8 @@ class _Pass:
 
     def _scales(self, wb, s):
         """Sub-block s's scales as int16 [16]."""
-        return self.em.load(vec(I16, G), wb, self.em.add(self.fmt.off_sc, self.em.mul(s, 32)))
+        em = self.em
+        return em.b.sext(em.load(vec(I8, G), wb, em.add(self.fmt.off_sc, em.mul(s, 16))), vec(I16, G))
 
     def _x(self, xq, c):
         em = self.em
@@ -165,7 +166,7 @@ class _Pass:
         total = None
         for i in range(count):
             pair = em.add(first, i)
-            mp = em.load(vec(I16, 2 * G), wb, em.add(self.fmt.off_mn, em.mul(pair, 64)))
+            mp = b.sext(em.load(vec(I8, 2 * G), wb, em.add(self.fmt.off_mn, em.mul(pair, 32))), vec(I16, 2 * G))
             xp = b.bitcast(em.splat(self._int(xr, field, k, pair), G, I32), vec(I16, 2 * G))
             p = maddwd(em, mp, xp)
             total = p if total is None else b.add(total, p)
@@ -196,8 +197,8 @@ class _Pass:
         per = fmt.chunks_per_sub
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
-            dw = em.load(vf, wb, fmt.off_d)
-            dmin = em.load(vf, wb, fmt.off_dmin) if fmt.has_min else None
+            dw = load_d(em, wb, fmt.off_d, G)
+            dmin = load_d(em, wb, fmt.off_dmin, G) if fmt.has_min else None
             dx = [em.splat(self._d(r, k), G) for r in rows]
             if mode == "tiled":
                 scales = [(dw, None if dmin is None else b.fneg(dmin), x) for x in dx]
@@ -288,8 +289,8 @@ class _Pass:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
             lanes = self._lane_sums(wb, xr, k, lane_vars)
             dx = self._d(xr, k)
-            d = b.fmul(em.splat(dx, G), em.load(vf, wb, fmt.off_d))              # y.d * x.d
-            dmin = b.fmul(em.splat(b.fneg(dx), G), em.load(vf, wb, fmt.off_dmin)) if fmt.has_min else None
+            d = b.fmul(em.splat(dx, G), load_d(em, wb, fmt.off_d, G))              # y.d * x.d
+            dmin = b.fmul(em.splat(b.fneg(dx), G), load_d(em, wb, fmt.off_dmin, G)) if fmt.has_min else None
             if dtype == "q2_k":        # the mins' 8 lanes go into acc first
                 for lane in range(8):
                     m = self._min_pairs(wb, xr, k, lane, 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
+from llamir.backends.llvm.emit import F16, F32, I8, I16, I32, Emitter, vec
 
 H = 8                                     # rows per half group (one ymm of f32 / i32)
 RN8 = 4                                   # tokens per tile in the full-sum modes
@@ -43,6 +43,11 @@ def madd_add8(em: Emitter, acc, a, s):
     if em.target.vnni:
         return em.intrinsic("llvm.x86.avx512.vpdpwssd.256", V8I, [acc, a, s])
     return em.b.add(acc, madd8(em, a, s))
+
+
+def load_d(em: Emitter, base, offset, n: int):
+    """n fp16 super-block scales (d or dmin) as float32."""
+    return em.b.fpext(em.load(vec(F16, n), base, offset), vec(F32, n))
 
 
 def dpbusd8(em: Emitter, acc, w, x):
@@ -93,13 +98,13 @@ class _Half:
         self.em, self.fmt, self.wg = em, ps.fmt, wg
         self.row0 = em.add(em.mul(g, 16), em.mul(h, H))
         self.valid = em.min(em.sub(ps.p.M, self.row0), H)
-        self.h32, self.h16 = em.mul(h, 32), em.mul(h, 16)
+        self.h32, self.h16, self.h8 = em.mul(h, 32), em.mul(h, 16), em.mul(h, 8)
 
     def blocks(self, k):
-        """(q/d/mins base, scales base) of super-block k for this half."""
+        """Super-block k's bases for this half: (chunks, scales, mins and d) (see repack_k)."""
         em = self.em
         wb = em.gep(self.wg, em.mul(k, self.fmt.block_bytes))
-        return em.gep(wb, self.h32), em.gep(wb, self.h16)
+        return em.gep(wb, self.h32), em.gep(wb, self.h8), em.gep(wb, self.h16)
 
 
 class _Rows:
@@ -121,8 +126,9 @@ class _Rows:
         return [b.and_(r, low) for r in raw] + [b.lshr(r, four) for r in raw]
 
     def _sc(self, sb, s):
-        """Sub-block s's 8 scales as int16."""
-        return self.em.load(vec(I16, H), sb, self.em.add(self.fmt.off_sc, self.em.mul(s, 32)))
+        """Sub-block s's 8 scales (int8) as int16."""
+        em = self.em
+        return em.b.sext(em.load(vec(I8, H), sb, em.add(self.fmt.off_sc, em.mul(s, 16))), vec(I16, H))
 
     def _x(self, xq, c):
         em = self.em
@@ -132,14 +138,14 @@ class _Rows:
         """The activation's int16 pair `index` of super-block k, in every int32 lane."""
         return self.em.b.bitcast(self.em.splat(self.p._int(xr, field, k, index), H, I32), V16S)
 
-    def _min_pairs(self, qb, xr, k, first, count: int):
+    def _min_pairs(self, mb, xr, k, first, count: int):
         """sum over mins pairs first .. first+count-1 of m . (activation sum pairs), int32 per row."""
         em = self.em
         field = "pairs16" if self.fmt.subs == 16 else "pairs32"
         total = ir.Constant(V8I, [0] * H)
         for i in range(count):
             pair = em.add(first, i)
-            mp = em.load(V16S, qb, em.add(self.fmt.off_mn, em.mul(pair, 64)))
+            mp = em.b.sext(em.load(vec(I8, 2 * H), mb, em.add(self.fmt.off_mn, em.mul(pair, 32))), V16S)
             total = madd_add8(em, total, mp, self._pair(xr, field, k, pair))
         return total
 
@@ -177,17 +183,17 @@ class _Rows:
                 for slot in (x for per_half in isum for x in per_half):
                     em.set(slot, izero)
                 with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
-                    for (qb, sb), sums in zip(blocks, isum, strict=True):
+                    for (qb, sb, _), sums in zip(blocks, isum, strict=True):
                         self._sub_block(qb, sb, rows, k, s, sums)
                 if mode != "tiled":          # acc = fma(isum, d_w * d_x, acc)
-                    for (qb, _), sums, accs in zip(blocks, isum, acc, strict=True):
-                        dw = em.load(V8F, qb, fmt.off_d)
+                    for (_, _, mb), sums, accs in zip(blocks, isum, acc, strict=True):
+                        dw = load_d(em, mb, fmt.off_d, H)
                         for j, xr in enumerate(rows):
                             dwx = b.fmul(dw, em.splat(p._d(xr, k), H))
                             em.set(accs[j], em.fma(b.sitofp(em.get(sums[j]), V8F), dwx, em.get(accs[j])))
             if mode == "tiled":
-                for (qb, sb), sums, accs in zip(blocks, isum, acc, strict=True):
-                    self._tiled_flush(qb, sb, rows, k, sums, accs)
+                for (_, sb, mb), sums, accs in zip(blocks, isum, acc, strict=True):
+                    self._tiled_flush(sb, mb, rows, k, sums, accs)
         for half, accs in zip(self.halves, acc, strict=True):
             totals = [em.get(a) for a in accs]
             if fmt.has_min and mode != "tiled":
@@ -223,11 +229,11 @@ class _Rows:
                 total = madd_add8(em, total, part, scd)
             em.set(isum[j], total)
 
-    def _tiled_flush(self, qb, sb, rows, k, isum, acc) -> None:
+    def _tiled_flush(self, sb, mb, rows, k, isum, acc) -> None:
         """res = fma(-dmin, s2, d * s1); acc = fma(res, d_x, acc) (s1 with the offset taken off)."""
         em, b, fmt, p = self.em, self.em.b, self.fmt, self.p
-        dw = em.load(V8F, qb, fmt.off_d)
-        neg_dmin = b.fneg(em.load(V8F, qb, fmt.off_dmin)) if fmt.has_min else None
+        dw = load_d(em, mb, fmt.off_d, H)
+        neg_dmin = b.fneg(load_d(em, mb, fmt.off_dmin, H)) if fmt.has_min else None
         for j, xr in enumerate(rows):
             s1 = em.get(isum[j])
             if fmt.offset:
@@ -235,7 +241,7 @@ class _Rows:
                 s1 = b.sub(s1, b.mul(corr, ir.Constant(V8I, [fmt.offset] * H)))
             res = b.fmul(b.sitofp(s1, V8F), dw)
             if neg_dmin is not None:
-                msum = self._min_pairs(qb, xr, k, 0, fmt.subs // 2)
+                msum = self._min_pairs(mb, xr, k, 0, fmt.subs // 2)
                 res = em.fma(neg_dmin, b.sitofp(msum, V8F), res)
             em.set(acc[j], em.fma(res, em.splat(p._d(xr, k), H), em.get(acc[j])))
 
@@ -245,11 +251,11 @@ class _Rows:
         fzero = ir.Constant(V8F, [0.0] * H)
         accm = [em.var(V8F, fzero) for _ in rows]
         with em.loop(0, p.nb, name="msblk") as k:
-            qb, _ = half.blocks(k)
-            dmin = em.load(V8F, qb, fmt.off_dmin)
+            _, _, mb = half.blocks(k)
+            dmin = load_d(em, mb, fmt.off_dmin, H)
             with em.loop(0, fmt.subs // span, name="mspan") as sp:
                 for j, xr in enumerate(rows):
-                    msum = self._min_pairs(qb, xr, k, em.mul(sp, span // 2), span // 2)
+                    msum = self._min_pairs(mb, xr, k, em.mul(sp, span // 2), span // 2)
                     dmx = b.fmul(dmin, em.splat(p._d(xr, k), H))
                     em.set(accm[j], em.fma(b.sitofp(msum, V8F), dmx, em.get(accm[j])))
         return [em.get(a) for a in accm]
@@ -266,8 +272,7 @@ class _Rows:
         with em.loop(0, p.nb, name="sblk") as k:
             dx = p._d(xr, k)
             for half, accs, accms in zip(self.halves, acc, accm, strict=True):
-                qb, sb = half.blocks(k)
-                self._lane_super_block(qb, sb, xr, k, dx, lane_vars, accs, accms)
+                self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms)
         for half, accs, accms in zip(self.halves, acc, accm, strict=True):
             a_ = [em.get(x) for x in accs]
             r = [b.fadd(a_[i + 4], a_[i]) for i in range(4)]          # hsum_float_8
@@ -279,25 +284,26 @@ class _Rows:
                 total = b.fadd(total, em.get(accms[0]))
             self._store(half, nt, total)
 
-    def _lane_super_block(self, qb, sb, xr, k, dx, lane_vars, acc, accm) -> None:
+    def _lane_super_block(self, blocks, xr, k, dx, lane_vars, acc, accm) -> None:
         """One super-block's lanes into vec_dot's float accumulators, mins as ggml orders them."""
         em, b, fmt = self.em, self.em.b, self.fmt
         dtype = fmt.dtype
+        qb, sb, mb = blocks
         lanes = self._lane_sums(qb, sb, xr, k, lane_vars)
-        d = b.fmul(em.splat(dx, H), em.load(V8F, qb, fmt.off_d))                # y.d * x.d
-        dmin = b.fmul(em.splat(b.fneg(dx), H), em.load(V8F, qb, fmt.off_dmin)) if fmt.has_min else None
+        d = b.fmul(em.splat(dx, H), load_d(em, mb, fmt.off_d, H))                # y.d * x.d
+        dmin = b.fmul(em.splat(b.fneg(dx), H), load_d(em, mb, fmt.off_dmin, H)) if fmt.has_min else None
         if dtype == "q2_k":        # the mins' 8 lanes go into acc first
             for lane in range(8):
-                m = self._min_pairs(qb, xr, k, lane, 1)
+                m = self._min_pairs(mb, xr, k, lane, 1)
                 em.set(acc[lane], em.fma(dmin, b.sitofp(m, V8F), em.get(acc[lane])))
         for lane in range(8):
             em.set(acc[lane], em.fma(d, b.sitofp(lanes[lane], V8F), em.get(acc[lane])))
         if dtype == "q4_k":        # 4 lanes of their own
             for lane in range(4):
-                m = self._min_pairs(qb, xr, k, lane, 1)
+                m = self._min_pairs(mb, xr, k, lane, 1)
                 em.set(accm[lane], em.fma(dmin, b.sitofp(m, V8F), em.get(accm[lane])))
         elif dtype == "q5_k":      # summs += dmin * (one integer)
-            m = self._min_pairs(qb, xr, k, 0, 4)
+            m = self._min_pairs(mb, xr, k, 0, 4)
             em.set(accm[0], em.fma(dmin, b.sitofp(m, V8F), em.get(accm[0])))
 
     def _lane_sums(self, qb, sb, xr, k, lane_vars) -> list:

@@ -7,11 +7,15 @@ A weight [M, K] becomes groups of 16 rows (M padded with zero rows); each (group
            (Q3_K as q+4, Q6_K as q+32: the kernel subtracts the offset times the activation
            sums). Q4_K packs two chunks per vector: chunk c (c % 8 < 4) in the low nibbles and
            chunk c+4 in the high ones, so one sub-block's 8 chunks are 4 vectors.
-    sc     S sub-block scales per row, int16 [S][16]   (S = 16 for Q2_K/Q3_K/Q6_K, 8 otherwise)
-    mn     the sub-block mins in pairs, int16 [S/2][16][2]: (m[2l], m[2l+1]) per row, for a
-           vpmaddwd with the activation's sum pairs  (Q2_K, Q4_K, Q5_K)
-    d      the super-block's fp16 d as float32 [16]
-    dmin   its fp16 dmin as float32 [16]                (Q2_K, Q4_K, Q5_K)
+    sc     S sub-block scales per row, int8 [S][16]   (S = 16 for Q2_K/Q3_K/Q6_K, 8 otherwise)
+    mn     the sub-block mins in pairs, int8 [S/2][16][2]: (m[2l], m[2l+1]) per row, widened to
+           int16 for a vpmaddwd with the activation's sum pairs  (Q2_K, Q4_K, Q5_K)
+    d      the super-block's d, fp16 [16]
+    dmin   its dmin, fp16 [16]                           (Q2_K, Q4_K, Q5_K)
+
+Every part splits into two contiguous halves of 8 rows (the 256-bit kernels' unit). Scales, mins and
+d are as narrow as ggml's (Q4_K: 2368 bytes per 16 rows where ggml has 2304), since token generation
+streams the whole weight once per token.
 
 The integers are ggml's own (sc*q summed exactly in int32); the kernel (matmul_quant_k.py) then
 applies each ggml kernel's float order to them.
@@ -65,19 +69,19 @@ class KFormat:
 
     @property
     def off_mn(self) -> int:
-        return self.off_sc + 32 * self.subs
+        return self.off_sc + 16 * self.subs
 
     @property
     def off_d(self) -> int:
-        return self.off_mn + (32 * self.subs if self.has_min else 0)
+        return self.off_mn + (16 * self.subs if self.has_min else 0)
 
     @property
     def off_dmin(self) -> int:
-        return self.off_d + 4 * G
+        return self.off_d + 2 * G
 
     @property
     def block_bytes(self) -> int:
-        return self.off_dmin + (4 * G if self.has_min else 0)
+        return self.off_dmin + (2 * G if self.has_min else 0)
 
     @property
     def vdt(self) -> str:
@@ -93,12 +97,12 @@ _TYPE_SIZE = {"q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 
 
 def _f16(b: np.ndarray, off: int) -> np.ndarray:
-    return np.ascontiguousarray(b[:, off:off + 2]).view(np.float16)[:, 0].astype(np.float32)
+    return np.ascontiguousarray(b[:, off:off + 2]).view(np.float16)[:, 0].copy()     # the bits as stored
 
 
 def _values(b: np.ndarray, dtype: str):
     """Blocks [n, type_size] -> (q uint8 [n, 256] stored values, sc int16 [n, S], mn int16 [n, S] | None,
-    d f32 [n], dmin f32 [n] | None)."""
+    d f16 [n], dmin f16 [n] | None)."""
     bits = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     if dtype == "q2_k":
         return (quants._crumbs(b[:, 16:80]).reshape(-1, QK_K), (b[:, 0:16] & 0xF).astype(np.int16),
@@ -144,15 +148,15 @@ def repack_k(raw: np.ndarray, fmt: KFormat) -> np.ndarray:
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
     parts = [np.ascontiguousarray(q, dtype=np.uint8).reshape(groups, nb, -1)]
     sc = _pad_rows(sc.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs).transpose(0, 2, 3, 1)
-    parts.append(np.ascontiguousarray(sc, dtype="<i2").view(np.uint8).reshape(groups, nb, -1))
+    parts.append(np.ascontiguousarray(sc, dtype=np.int8).view(np.uint8).reshape(groups, nb, -1))
     if mn is not None:   # [g, 16, nb, S/2, 2] -> [g, nb, S/2, 16, 2]
         mn = _pad_rows(mn.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs // 2, 2)
-        parts.append(np.ascontiguousarray(mn.transpose(0, 2, 3, 1, 4), dtype="<i2").view(np.uint8)
+        parts.append(np.ascontiguousarray(mn.transpose(0, 2, 3, 1, 4), dtype=np.int8).view(np.uint8)
                      .reshape(groups, nb, -1))
     for arr in (d, dmin):
         if arr is not None:
             arr = _pad_rows(arr.reshape(m, nb), groups).reshape(groups, G, nb)
-            parts.append(np.ascontiguousarray(arr.transpose(0, 2, 1), dtype="<f4").view(np.uint8)
+            parts.append(np.ascontiguousarray(arr.transpose(0, 2, 1), dtype="<f2").view(np.uint8)
                          .reshape(groups, nb, -1))
     out = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     if out.shape[-1] != fmt.block_bytes:
