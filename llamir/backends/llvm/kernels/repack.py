@@ -69,7 +69,7 @@ class QFormat:
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}:{self.order}"
+        return f"{self.dtype}:{self.order}" + (":signed" if self.corr == "abs" else "")
 
 
 def weight_format(dtype: str, m_rows: int, vnni: bool = True) -> QFormat | None:
