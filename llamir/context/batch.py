@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,13 +62,34 @@ def _int32_at(name: str, i, value) -> int:
     return value
 
 
+_INT64, _BOOL = np.dtype(np.int64), np.dtype(bool)
+_SMALL = 32     # arrays up to this long are range-checked in Python: a numpy reduction costs more
+
+
+def _min_max(value: np.ndarray) -> tuple:
+    if len(value) == 1:
+        x = value.item()
+        return x, x
+    if len(value) <= _SMALL:
+        items = value.tolist()
+        return min(items), max(items)
+    return value.min(), value.max()
+
+
 def int_array(name: str, value) -> np.ndarray:
     """A 1-D int64 array of `value`'s elements, each an integer in llama.cpp's int32 range."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
-        if len(value) and (value.min() < I32_MIN or value.max() > I32_MAX):
-            i = int(np.flatnonzero((value < I32_MIN) | (value > I32_MAX))[0])
+        if len(value):
+            lo, hi = _min_max(value)
+            if lo < I32_MIN or hi > I32_MAX:
+                i = int(np.flatnonzero((value < I32_MIN) | (value > I32_MAX))[0])
+                _int32_at(name, i, value[i])
+        return value if value.dtype == _INT64 else value.astype(np.int64)
+    if type(value) is list and all(type(x) is int for x in value):   # plain Python ints: the common case
+        if value and (min(value) < I32_MIN or max(value) > I32_MAX):
+            i = next(i for i, x in enumerate(value) if not I32_MIN <= x <= I32_MAX)
             _int32_at(name, i, value[i])
-        return value.astype(np.int64, copy=value.dtype != np.int64)
+        return np.array(value, dtype=np.int64).reshape(-1)
     items = _items(name, value)
     return np.array([_int32_at(name, i, x) for i, x in enumerate(items)], dtype=np.int64)
 
@@ -78,10 +100,12 @@ def flag_array(name: str, value) -> np.ndarray:
         raise BatchError(f"{name} must be a list of flags, got the string {value!r} "
                          f"(Batch.from_tokens takes 'last', 'all' or 'none')")
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biu":
-        if value.dtype.kind != "b" and len(value) and (value.min() < 0 or value.max() > 1):
-            i = int(np.flatnonzero((value < 0) | (value > 1))[0])
-            raise BatchError(f"{name}[{i}] = {value[i]} is not a flag (True/False or 1/0)")
-        return value.astype(bool, copy=value.dtype != bool)
+        if value.dtype.kind != "b" and len(value):
+            lo, hi = _min_max(value)
+            if lo < 0 or hi > 1:
+                i = int(np.flatnonzero((value < 0) | (value > 1))[0])
+                raise BatchError(f"{name}[{i}] = {value[i]} is not a flag (True/False or 1/0)")
+        return value if value.dtype == _BOOL else value.astype(bool)
     items = _items(name, value)
     for i, x in enumerate(items):
         if not (isinstance(x, (bool, np.bool_)) or (is_integer(x) and x in (0, 1))):
@@ -92,7 +116,7 @@ def flag_array(name: str, value) -> np.ndarray:
 def seq_id_lists(name: str, value) -> list[tuple[int, ...]]:
     """One tuple of sequence ids per token; a token given a single id gets a one-id tuple."""
     out = []
-    for i, ids in enumerate(_items(name, value)):
+    for i, ids in enumerate(value if type(value) is list else _items(name, value)):
         if type(ids) is tuple and all(type(s) is int and I32_MIN <= s <= I32_MAX for s in ids):
             pass                                   # already canonical: the common, fast case
         elif is_integer(ids):
@@ -122,8 +146,7 @@ def embd_array(name: str, value) -> np.ndarray:
         return np.ascontiguousarray(value, dtype=np.float32)
 
 
-@dataclass(frozen=True)
-class BatchFields:
+class BatchFields(NamedTuple):
     """A batch's fields, checked and in their canonical types (what the allocator reads)."""
 
     tokens: np.ndarray | None        # int64 [n_tokens]
@@ -221,7 +244,12 @@ class Batch:
             if not I32_MIN <= int(pos0) <= I32_MAX - max(n - 1, 0):
                 raise BatchError(f"pos0 = {int(pos0)} puts positions out of the int32 range for {n} tokens")
             pos = np.arange(int(pos0), int(pos0) + n, dtype=np.int64)
-        return cls(tokens=tokens, pos=pos, seq_ids=[ids] * n, logits=flags)
+        if len(flags) != n:
+            raise BatchError(f"{len(flags)} logits flags for {n} tokens")
+        # every field is already in its checked, canonical form: skip __post_init__'s second pass
+        batch = cls.__new__(cls)
+        batch.tokens, batch.embd, batch.pos, batch.seq_ids, batch.logits = tokens, None, pos, [ids] * n, flags
+        return batch
 
 
 @dataclass
@@ -253,6 +281,22 @@ class UBatch:
 
     def seq_idx(self, seq_id: int) -> int:
         return self.seq_id_unq.index(seq_id)
+
+
+class _SeqPosMax:
+    """memory.seq_pos_max(s) (-1 without a memory), asked once per sequence: init reads it for
+    the default positions and again for the consistency checks, and the memory does not change
+    in between."""
+
+    def __init__(self, memory) -> None:
+        self.memory = memory
+        self.known: dict[int, int] = {}
+
+    def __call__(self, seq_id: int) -> int:
+        p = self.known.get(seq_id)
+        if p is None:
+            p = self.known[seq_id] = self.memory.seq_pos_max(seq_id) if self.memory is not None else -1
+        return p
 
 
 class BatchAllocator:
@@ -293,7 +337,8 @@ class BatchAllocator:
             raise BatchError("n_tokens == 0")
         if fields.tokens is not None:
             tokens = fields.tokens
-            if tokens.min() < 0 or tokens.max() >= n_vocab:
+            lo, hi = _min_max(tokens)
+            if lo < 0 or hi >= n_vocab:
                 bad = int(np.flatnonzero((tokens < 0) | (tokens >= n_vocab))[0])
                 raise BatchError(f"invalid token[{bad}] = {tokens[bad]} (n_vocab = {n_vocab})")
             self.tokens = tokens.astype(np.int32)
@@ -302,27 +347,45 @@ class BatchAllocator:
                 raise BatchError(f"embd rows have {fields.embd.shape[1]} values, the model needs {n_embd}")
             self.embd = fields.embd
         seq_ids = fields.seq_ids if fields.seq_ids is not None else [(0,)] * n
-        for i, ids in enumerate(seq_ids):
+        first = seq_ids[0]
+        # one sequence set for every token (the same tuple: Batch.from_tokens): checked once
+        single = n == 1 or all(ids is first for ids in seq_ids)
+        for i, ids in enumerate((first,) if single else seq_ids):
             for s, sid in enumerate(ids):
                 if sid < 0 or sid >= n_seq_max:
                     raise BatchError(f"invalid seq_id[{i}][{s}] = {sid} >= {n_seq_max}")
-        self.seq_ids = [tuple(dict.fromkeys(ids)) for ids in seq_ids]
-        pos = self._positions(fields.pos, memory)
-        if min(pos) < 0 or max(pos) > POS_LIMIT:
+        if single:
+            first = first if len(first) == 1 else tuple(dict.fromkeys(first))
+            self.seq_ids = [first] * n
+        else:
+            self.seq_ids = [ids if len(ids) == 1 else tuple(dict.fromkeys(ids)) for ids in seq_ids]
+        pos_max = _SeqPosMax(memory)
+        pos = self._positions(fields.pos, pos_max)
+        lo, hi = min(pos), max(pos)
+        if lo < 0 or hi > POS_LIMIT:
             bad = next(i for i, p in enumerate(pos) if not 0 <= p <= POS_LIMIT)
             raise BatchError(f"invalid pos[{bad}] = {pos[bad]} (positions are 0..{POS_LIMIT})")
         self.pos = np.array(pos, dtype=np.int32)
-        output = [False] * (n - 1) + [True] if fields.logits is None else fields.logits.tolist()
-        if output_all and not all(output):
+        if fields.logits is None:
+            self.output = np.zeros(n, dtype=bool)
+            self.output[-1] = True
+        else:
+            self.output = fields.logits.copy()     # the batch's own array may change after decode
+        n_outputs = int(np.count_nonzero(self.output)) if n > _SMALL else sum(self.output.tolist())
+        if output_all and n_outputs != n:
             log.warning("embeddings required but some input tokens were not marked as outputs -> overriding")
-            output = [True] * n
-        self.output = np.array(output, dtype=bool)
-        self.n_outputs = sum(output)
-        self._stats(pos)
-        self._check_consistency(memory, pos)
+            self.output = np.ones(n, dtype=bool)
+            n_outputs = n
+        self.n_outputs = n_outputs
+        if single:
+            self._stats_single(pos)
+            self._check_single(memory, pos_max, pos)
+        else:
+            self._stats(pos)
+            self._check_consistency(memory, pos_max, pos)
         self.split_reset()
 
-    def _positions(self, given: np.ndarray | None, memory) -> list[int]:
+    def _positions(self, given: np.ndarray | None, pos_max: _SeqPosMax) -> list[int]:
         if given is not None:
             return given.tolist()
         nxt: dict[int, int] = {}  # only the sequences the batch names (llama.cpp fills all n_seq_max)
@@ -330,10 +393,31 @@ class BatchAllocator:
         for ids in self.seq_ids:
             s = ids[0]
             if s not in nxt:
-                nxt[s] = memory.seq_pos_max(s) + 1 if memory is not None else 0
+                nxt[s] = pos_max(s) + 1
             pos.append(nxt[s])
             nxt[s] += 1
         return pos
+
+    def _stats_single(self, pos: list[int]) -> None:
+        """_stats when every token has the same sequence set."""
+        ids = self.seq_ids[0]
+        positions = set(pos)
+        self.seq_pos = {sid: set(positions) for sid in ids}
+        self.seq_cpl = {(sid, ids[0]) for sid in ids[1:]}
+        self.has_cpl = len(ids) > 1
+        cur = frozenset(ids)
+        self.seq_sets = [cur] * len(pos)
+        self.seq_set_map = {cur: list(range(len(pos)))}
+        self.seq_id_unq = sorted(ids)
+
+    def _check_single(self, memory, pos_max: _SeqPosMax, pos: list[int]) -> None:
+        """_check_consistency when every token has the same sequence set (so no set conflicts):
+        the same checks in the same order, with the same messages."""
+        self._check_seq_positions(memory, pos_max)
+        for i in range(1, len(pos)):
+            if pos[i] < pos[i - 1]:
+                raise BatchError(f"sequence {self.seq_ids[0][0]} positions are decreasing (not allowed): token {i} has "
+                                 f"pos {pos[i]} after pos {pos[i - 1]}")
 
     def _stats(self, pos: list[int]) -> None:
         self.seq_cpl: set[tuple[int, int]] = set()
@@ -356,21 +440,27 @@ class BatchAllocator:
     def seq_pos_max(self, s: int) -> int:
         return max(self.seq_pos[s]) if self.seq_pos.get(s) else -1
 
-    def _check_consistency(self, memory, pos: list[int]) -> None:
+    def _check_seq_positions(self, memory, pos_max: _SeqPosMax) -> None:
+        """Each sequence continues what the memory holds, without gaps; coupled sequences have
+        not diverged in the memory."""
         for s in sorted(self.seq_pos):
-            p0 = memory.seq_pos_max(s) if memory is not None else -1
-            if p0 >= 0 and self.seq_pos_min(s) != p0 + 1:
+            p0 = pos_max(s)
+            p_min, p_max = self.seq_pos_min(s), self.seq_pos_max(s)
+            if p0 >= 0 and p_min != p0 + 1:
                 raise BatchError(
                     f"the tokens of sequence {s} in the input batch have inconsistent sequence positions: the "
-                    f"memory holds positions up to X = {p0}, the batch starts at Y = {self.seq_pos_min(s)}; "
+                    f"memory holds positions up to X = {p0}, the batch starts at Y = {p_min}; "
                     f"it is required that the sequence positions remain consecutive: Y = X + 1")
-            if self.seq_pos_max(s) - self.seq_pos_min(s) + 1 > len(self.seq_pos[s]):
+            if p_max - p_min + 1 > len(self.seq_pos[s]):
                 raise BatchError(f"sequence {s} positions are not continuous")
         if memory is not None:
             for s1, s0 in sorted(self.seq_cpl):
                 if (memory.seq_pos_min(s0) != memory.seq_pos_min(s1)
-                        or memory.seq_pos_max(s0) != memory.seq_pos_max(s1)):
+                        or pos_max(s0) != pos_max(s1)):
                     raise BatchError(f"sequence {s1} is coupled to {s0} in the input batch, but have diverged")
+
+    def _check_consistency(self, memory, pos_max: _SeqPosMax, pos: list[int]) -> None:
+        self._check_seq_positions(memory, pos_max)
         cur_set: dict[int, frozenset[int] | None] = {}
         cur_pos: dict[int, int] = {}
         for i, ids in enumerate(self.seq_ids):
@@ -388,14 +478,15 @@ class BatchAllocator:
     # -- splits -----------------------------------------------------------------------------------
     def split_reset(self) -> None:
         self.out_ids: list[int] = []
-        self.n_used = 0
-        self.used = np.zeros(self.n_tokens, dtype=bool)
+        if self.n_used or len(self.used) != self.n_tokens:   # n_used == 0: no token is marked used
+            self.n_used = 0
+            self.used = np.zeros(self.n_tokens, dtype=bool)
 
     def split_simple(self, n_ubatch: int) -> UBatch | None:
         """The next unused tokens in batch order, at most n_ubatch."""
         if self.n_used == self.n_tokens:
             return None
-        start = int(self.used.argmin())   # the first unused token
+        start = int(self.used.argmin()) if self.n_used else 0   # the first unused token
         stop = min(start + n_ubatch, self.n_tokens)
         return self._take(range(start, stop), n_seqs=stop - start, equal_seqs=False)
 
@@ -476,13 +567,19 @@ class BatchAllocator:
             self.used[sel] = True
             self.n_used += len(idxs)
         output = self.output[sel]
-        self.out_ids.extend(batch_idxs[output].tolist())
+        if len(idxs) <= _SMALL:
+            self.out_ids.extend(i for i, out in zip(batch_idxs.tolist(), output.tolist()) if out)
+        else:
+            self.out_ids.extend(batch_idxs[output].tolist())
+        # every token of one sequence set (the allocator's stats know it): its ids, sorted
+        unique = self.seq_id_unq if len(self.seq_sets) and len(self.seq_set_map) == 1 else \
+            sorted({s for ids in seq_ids for s in ids})
         return UBatch(
             equal_seqs=equal_seqs, n_seq_tokens=len(idxs) // n_seqs, n_seqs=n_seqs,
             tokens=None if self.tokens is None else self.tokens[sel],
             embd=None if self.embd is None else self.embd[sel],
             pos=self.pos[sel], seq_ids=seq_ids, output=output, batch_idxs=batch_idxs,
-            seq_id_unq=sorted({s for ids in seq_ids for s in ids}))
+            seq_id_unq=list(unique))
 
 
 def ubatch_reserve(n_seq_tokens: int, n_seqs: int) -> UBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -55,6 +56,19 @@ def put_input(values: dict[str, np.ndarray], name: str, data: np.ndarray, dtype)
         values[name] = np.array(data, dtype=dtype)
 
 
+_I32, _I64, _F32 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
+_IOTA = np.arange(0, dtype=np.int32)
+
+
+def _iota(n: int) -> np.ndarray:
+    """0..n-1 as a read-only int32 view of one array kept across calls."""
+    global _IOTA
+    if len(_IOTA) < n:
+        _IOTA = np.arange(max(n, 2 * len(_IOTA)), dtype=np.int32)
+        _IOTA.flags.writeable = False
+    return _IOTA[:n]
+
+
 class GraphInput(ABC):
     """One input object: the leaves it owns, how to fill them, and whether a graph may be reused."""
 
@@ -82,9 +96,9 @@ class InputEmbd(GraphInput):
     def set_input(self, ubatch, values):
         self.n_tokens = ubatch.n_tokens
         if self.has_tokens:
-            put_input(values, "inp_tokens", ubatch.tokens, np.int32)
+            put_input(values, "inp_tokens", ubatch.tokens, _I32)
         else:
-            put_input(values, "inp_embd", ubatch.embd, np.float32)
+            put_input(values, "inp_embd", ubatch.embd, _F32)
 
     def can_reuse(self, params):
         return params.has_tokens == self.has_tokens and params.n_tokens == self.n_tokens
@@ -98,8 +112,8 @@ class InputPos(GraphInput):
     n_tokens: int = 0
 
     def set_input(self, ubatch, values):
-        self.n_tokens = ubatch.n_tokens
-        put_input(values, "inp_pos", ubatch.pos, np.int32)
+        self.n_tokens = len(ubatch.pos)
+        put_input(values, "inp_pos", ubatch.pos, _I32)
 
     def can_reuse(self, params):
         return params.n_tokens == self.n_tokens
@@ -113,10 +127,10 @@ class InputOutIds(GraphInput):
     n_outputs: int = 0
 
     def set_input(self, ubatch, values):
-        ids = np.arange(ubatch.n_tokens) if self.n_outputs == ubatch.n_tokens else np.flatnonzero(ubatch.output)
+        ids = _iota(ubatch.n_tokens) if self.n_outputs == ubatch.n_tokens else np.flatnonzero(ubatch.output)
         if len(ids) != self.n_outputs:
             raise ValueError(f"{len(ids)} output rows but the graph expects {self.n_outputs}")
-        put_input(values, "inp_out_ids", ids, np.int32)
+        put_input(values, "inp_out_ids", ids, _I32)
 
     def can_reuse(self, params):
         return params.n_outputs == self.n_outputs
@@ -135,23 +149,28 @@ class InputAttnKV(GraphInput):
     n_tokens: int = 0
     n_kv: int = 0
 
-    @property
+    @cached_property
     def leaf_names(self):
         return tuple(n + self.suffix for n in ("attn_inp_k_idxs", "attn_inp_v_idxs", "attn_inp_kq_mask"))
 
     def set_input(self, ubatch, values):
-        cache, sinfo = self.mctx.cache, self.mctx.slot()
-        self.n_tokens, self.n_kv = ubatch.n_tokens, self.mctx.n_kv
+        mctx = self.mctx
+        cache, sinfo = mctx.cache, mctx.slot()
+        self.n_tokens, self.n_kv = len(ubatch.pos), mctx.n_kv
         k_name, v_name, mask_name = self.leaf_names
         k_idxs = cache.k_idxs(ubatch, sinfo)
-        put_input(values, k_name, k_idxs, np.int64)
+        put_input(values, k_name, k_idxs, _I64)
         put_input(values, v_name, k_idxs if not cache.layout.v_trans else
-                  cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa), np.int64)
+                  cache.v_idxs(ubatch, sinfo, self.n_embd_v_gqa), _I64)
         values[mask_name] = cache.kq_mask(ubatch, sinfo, self.n_kv, self.causal, self.alibi, self.mask_dtype,
                                           out=values.get(mask_name))
 
     def rebind(self, mctx) -> None:
-        self.mctx = mctx.contexts()[1] if self.suffix and len(mctx.contexts()) > 1 else mctx.contexts()[0]
+        self.rebind_to(mctx.contexts())
+
+    def rebind_to(self, contexts: list) -> None:
+        """Fill from the matching one of a new batch's per-cache contexts."""
+        self.mctx = contexts[1] if self.suffix and len(contexts) > 1 else contexts[0]
 
     def can_reuse(self, params):
         # mask ne[0] == n_kv and ne[1] == n_tokens, as llama.cpp checks (fails with several streams)
@@ -270,14 +289,18 @@ class GraphResult:
     inputs: list[GraphInput] = field(default_factory=list)
     values: dict = field(default_factory=dict)   # leaf values kept across calls: weights, state
 
+    def __post_init__(self) -> None:
+        self._kv_inputs = [inp for inp in self.inputs if isinstance(inp, InputAttnKV)]
+
     def can_reuse(self, params: GraphParams, mctx: KVCacheContext | None) -> bool:
-        if not self.params.allow_reuse(params):
+        if self.params != params and not self.params.allow_reuse(params):
             return False
-        for inp in self.inputs:
-            if isinstance(inp, InputAttnKV) and mctx is not None:
-                inp.rebind(mctx)
-            elif isinstance(inp, InputAttnKV):
+        if self._kv_inputs:
+            if mctx is None:
                 return False
+            contexts = mctx.contexts()
+            for inp in self._kv_inputs:
+                inp.rebind_to(contexts)
         return all(inp.can_reuse(params) for inp in self.inputs)
 
     def set_inputs(self, ubatch: UBatch, values: dict | None = None) -> dict[str, np.ndarray]:

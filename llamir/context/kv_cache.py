@@ -193,6 +193,7 @@ class KVCache:
                 self.buffers[name] = np.zeros(storage_shape(shape, dtype), dtype=storage_dtype(dtype))
         self._v_names = {cache_v_name(il) for il in self.layout.layers}
         self.pending_copies: list[tuple[int, int]] = []
+        self._v_rows: dict[int, np.ndarray] = {}
 
     # -- sizes ------------------------------------------------------------------------------------
     def get_size(self) -> int:
@@ -275,6 +276,11 @@ class KVCache:
         per = ubatch.n_tokens // sinfo.n_stream
         for s, stream in enumerate(sinfo.strm):
             cells = self.v_cells[stream]
+            idxs = sinfo.idxs[s]
+            # free cells (the usual case) all at once; a few (a generated token) cell by cell is faster
+            if len(idxs) > 8 and cells.pos[idxs].max() < 0:
+                cells.occupy(idxs, ubatch.pos[s * per:(s + 1) * per], ubatch.seq_ids[s * per:(s + 1) * per])
+                continue
             for ii, idx in enumerate(sinfo.idxs[s]):
                 i = s * per + ii
                 if not cells.is_empty(idx):
@@ -298,9 +304,9 @@ class KVCache:
         streams = []
         for s, stream in enumerate(sinfo.strm):
             cells, idxs = self.v_cells[stream], sinfo.idxs[s]
-            undo = StreamUndo(stream, idxs, cells.pos[idxs].copy(), cells.seq[idxs].copy(),
-                              cells.shift[idxs].copy(), cells.has_shift)
-            if (undo.pos >= 0).any():
+            # fancy indexing copies already
+            undo = StreamUndo(stream, idxs, cells.pos[idxs], cells.seq[idxs], cells.shift[idxs], cells.has_shift)
+            if undo.pos.max(initial=-1) >= 0:
                 undo.whole = cells.snapshot()
                 undo.rows = {name: np.take(buf[stream], idxs, axis=self._cell_axis(name)).copy()
                              for name, buf in self.buffers.items()}
@@ -353,7 +359,7 @@ class KVCache:
     def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool) -> KVCacheContext:
         balloc.split_reset()
         ubatches: list[UBatch] = []
-        while True:
+        while balloc.n_used < balloc.n_tokens:
             ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
             if ub is None:
                 break
@@ -456,6 +462,7 @@ class KVCache:
             cells = self.v_cells[s0]
             sel = (cells.pos >= p0) & (cells.pos < p1) & cells.seq[:, src]
             cells.seq[sel, dst] = True
+            cells.recount()
             return
         full = not ((0 < raw0 < self.kv_size - 1) or (0 < raw1 < self.kv_size - 1))
         if not full:
@@ -529,14 +536,20 @@ class KVCache:
 
     # -- graph inputs -----------------------------------------------------------------------------
     def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> np.ndarray:
+        if len(sinfo.strm) == 1 and not sinfo.strm[0]:
+            return sinfo.idxs[0]
         parts = [strm * self.kv_size + idx if strm else idx for strm, idx in zip(sinfo.strm, sinfo.idxs)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def v_idxs(self, ubatch: UBatch, sinfo: SlotInfo, n_embd_v_gqa: int) -> np.ndarray:
         if not self.layout.v_trans:
             return self.k_idxs(ubatch, sinfo)
-        j = np.arange(n_embd_v_gqa, dtype=np.int64) * self.kv_size
-        parts = [(strm * self.kv_size * n_embd_v_gqa + j[None, :] + idx[:, None]).reshape(-1)
+        j = self._v_rows.get(n_embd_v_gqa)
+        if j is None:   # the same every call: kept
+            j = self._v_rows[n_embd_v_gqa] = np.arange(n_embd_v_gqa, dtype=np.int64)[None, :] * self.kv_size
+        if len(sinfo.strm) == 1 and not sinfo.strm[0]:
+            return np.add(j, sinfo.idxs[0][:, None]).reshape(-1)
+        parts = [(strm * self.kv_size * n_embd_v_gqa + j + idx[:, None]).reshape(-1)
                  for strm, idx in zip(sinfo.strm, sinfo.idxs)]
         return np.concatenate(parts)
 
@@ -555,6 +568,12 @@ class KVCache:
             p1 = ubatch.pos[rows, None]                                              # [per, 1]
             # a token sees the cells of its first sequence (empty cells belong to none)
             first = [ids[0] for ids in ubatch.seq_ids[rows]]
+            if per == 1 and causal and not alibi and self.swa_type == "none":   # one generated token
+                out = mask[s, 0, 0]
+                allowed = cells.seq[:n_kv, first[0]] & (cells.pos[:n_kv] <= ubatch.pos[s])
+                out.fill(-np.inf)
+                np.copyto(out, 0, where=allowed)
+                continue
             if len(set(first)) == 1:
                 allowed = cells.seq[None, :n_kv, first[0]]                          # [1, n_kv]
             else:

@@ -92,10 +92,13 @@ class Outputs:
     def finish(self, out_ids: list[int], n_outputs: int) -> None:
         """Map batch positions to rows; record the swaps that restore batch order, applied lazily."""
         self.n_outputs = n_outputs
+        self.swaps.clear()
+        if len(out_ids) == 1:   # one output row (a generated token): nothing to sort
+            self.output_ids[out_ids[0]] = 0
+            return
         ids = list(out_ids)
         for i, batch_idx in enumerate(ids):
             self.output_ids[batch_idx] = i
-        self.swaps.clear()
         for i in range(len(ids) - 1):  # selection sort, as llama.cpp does
             j_min = min(range(i, len(ids)), key=lambda j: ids[j])
             if j_min != i:
