@@ -21,7 +21,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
-from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8, load_d
+from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8, lane_fmas, lane_total, load_d
 from llamir.backends.llvm.kernels.quant_act import KActLayout
 from llamir.backends.llvm.kernels.repack_k import G, KFormat
 from llamir.backends.llvm.plan import Kernel
@@ -291,27 +291,9 @@ class _Pass:
             dx = self._d(xr, k)
             d = b.fmul(em.splat(dx, G), load_d(em, wb, fmt.off_d, G))              # y.d * x.d
             dmin = b.fmul(em.splat(b.fneg(dx), G), load_d(em, wb, fmt.off_dmin, G)) if fmt.has_min else None
-            if dtype == "q2_k":        # the mins' 8 lanes go into acc first
-                for lane in range(8):
-                    m = self._min_pairs(wb, xr, k, lane, 1)
-                    em.set(acc[lane], em.fma(dmin, b.sitofp(m, vf), em.get(acc[lane])))
-            for lane in range(8):
-                em.set(acc[lane], em.fma(d, b.sitofp(lanes[lane], vf), em.get(acc[lane])))
-            if dtype == "q4_k":        # 4 lanes of their own
-                for lane in range(4):
-                    m = self._min_pairs(wb, xr, k, lane, 1)
-                    em.set(accm[lane], em.fma(dmin, b.sitofp(m, vf), em.get(accm[lane])))
-            elif dtype == "q5_k":      # summs += dmin * (one integer), fused by GCC
-                m = self._min_pairs(wb, xr, k, 0, 4)
-                em.set(accm[0], em.fma(dmin, b.sitofp(m, vf), em.get(accm[0])))
-        a_ = [em.get(x) for x in acc]
-        r = [b.fadd(a_[i + 4], a_[i]) for i in range(4)]          # hsum_float_8
-        total = b.fadd(b.fadd(r[0], r[2]), b.fadd(r[1], r[3]))
-        if dtype == "q4_k":
-            m_ = [em.get(x) for x in accm]
-            total = b.fadd(total, b.fadd(b.fadd(m_[0], m_[2]), b.fadd(m_[1], m_[3])))
-        elif dtype == "q5_k":
-            total = b.fadd(total, em.get(accm[0]))
+            lane_fmas(em, dtype, acc, accm, lanes, d, dmin,
+                      lambda first, count, wb=wb, k=k: self._min_pairs(wb, xr, k, first, count))
+        total = lane_total(em, dtype, acc, accm)
         self._store(g, nt, total, valid)
 
     def _lane_sums(self, wb, xr, k, lane_vars) -> list:

@@ -55,6 +55,36 @@ def dpbusd8(em: Emitter, acc, w, x):
     return em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I, [acc, w, x])
 
 
+def lane_fmas(em: Emitter, dtype: str, acc: list, accm: list, lanes: list, d, dmin, min_pairs) -> None:
+    """One super-block of ggml_vec_dot_qN_K_q8_K's float accumulation: acc[l] = fma(d, lane_l, acc[l]),
+    the mins where each type puts them; min_pairs(first, count) is their integer sum."""
+    b, vf = em.b, d.type
+    if dtype == "q2_k":        # the mins' 8 lanes go into acc first
+        for lane in range(8):
+            em.set(acc[lane], em.fma(dmin, b.sitofp(min_pairs(lane, 1), vf), em.get(acc[lane])))
+    for lane in range(8):
+        em.set(acc[lane], em.fma(d, b.sitofp(lanes[lane], vf), em.get(acc[lane])))
+    if dtype == "q4_k":        # 4 lanes of their own
+        for lane in range(4):
+            em.set(accm[lane], em.fma(dmin, b.sitofp(min_pairs(lane, 1), vf), em.get(accm[lane])))
+    elif dtype == "q5_k":      # summs += dmin * (one integer), fused by GCC
+        em.set(accm[0], em.fma(dmin, b.sitofp(min_pairs(0, 4), vf), em.get(accm[0])))
+
+
+def lane_total(em: Emitter, dtype: str, acc: list, accm: list):
+    """vec_dot's result: hsum_float_8 of the lanes, plus Q4_K's / Q5_K's min accumulators."""
+    b = em.b
+    a_ = [em.get(x) for x in acc]
+    r = [b.fadd(a_[i + 4], a_[i]) for i in range(4)]
+    total = b.fadd(b.fadd(r[0], r[2]), b.fadd(r[1], r[3]))
+    if dtype == "q4_k":
+        m_ = [em.get(x) for x in accm]
+        total = b.fadd(total, b.fadd(b.fadd(m_[0], m_[2]), b.fadd(m_[1], m_[3])))
+    elif dtype == "q5_k":
+        total = b.fadd(total, em.get(accm[0]))
+    return total
+
+
 class Pass8:
     """One mode over rows [n_start, n_end) of a plane, in 8-row halves (see the module)."""
 
@@ -262,7 +292,7 @@ class _Rows:
 
     # -- ggml_vec_dot_qN_K_q8_K ------------------------------------------------------------------------
     def lanes(self, nt) -> None:
-        em, b, fmt, p = self.em, self.em.b, self.fmt, self.p
+        em, fmt, p = self.em, self.fmt, self.p
         fzero = ir.Constant(V8F, [0.0] * H)
         dtype = fmt.dtype
         acc = [[em.var(V8F, fzero) for _ in range(8)] for _ in self.halves]
@@ -274,37 +304,17 @@ class _Rows:
             for half, accs, accms in zip(self.halves, acc, accm, strict=True):
                 self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms)
         for half, accs, accms in zip(self.halves, acc, accm, strict=True):
-            a_ = [em.get(x) for x in accs]
-            r = [b.fadd(a_[i + 4], a_[i]) for i in range(4)]          # hsum_float_8
-            total = b.fadd(b.fadd(r[0], r[2]), b.fadd(r[1], r[3]))
-            if dtype == "q4_k":
-                m_ = [em.get(x) for x in accms]
-                total = b.fadd(total, b.fadd(b.fadd(m_[0], m_[2]), b.fadd(m_[1], m_[3])))
-            elif dtype == "q5_k":
-                total = b.fadd(total, em.get(accms[0]))
-            self._store(half, nt, total)
+            self._store(half, nt, lane_total(em, dtype, accs, accms))
 
     def _lane_super_block(self, blocks, xr, k, dx, lane_vars, acc, accm) -> None:
         """One super-block's lanes into vec_dot's float accumulators, mins as ggml orders them."""
         em, b, fmt = self.em, self.em.b, self.fmt
-        dtype = fmt.dtype
         qb, sb, mb = blocks
         lanes = self._lane_sums(qb, sb, xr, k, lane_vars)
         d = b.fmul(em.splat(dx, H), load_d(em, mb, fmt.off_d, H))                # y.d * x.d
         dmin = b.fmul(em.splat(b.fneg(dx), H), load_d(em, mb, fmt.off_dmin, H)) if fmt.has_min else None
-        if dtype == "q2_k":        # the mins' 8 lanes go into acc first
-            for lane in range(8):
-                m = self._min_pairs(mb, xr, k, lane, 1)
-                em.set(acc[lane], em.fma(dmin, b.sitofp(m, V8F), em.get(acc[lane])))
-        for lane in range(8):
-            em.set(acc[lane], em.fma(d, b.sitofp(lanes[lane], V8F), em.get(acc[lane])))
-        if dtype == "q4_k":        # 4 lanes of their own
-            for lane in range(4):
-                m = self._min_pairs(mb, xr, k, lane, 1)
-                em.set(accm[lane], em.fma(dmin, b.sitofp(m, V8F), em.get(accm[lane])))
-        elif dtype == "q5_k":      # summs += dmin * (one integer)
-            m = self._min_pairs(mb, xr, k, 0, 4)
-            em.set(accm[0], em.fma(dmin, b.sitofp(m, V8F), em.get(accm[0])))
+        lane_fmas(em, fmt.dtype, acc, accm, lanes, d, dmin,
+                  lambda first, count: self._min_pairs(mb, xr, k, first, count))
 
     def _lane_sums(self, qb, sb, xr, k, lane_vars) -> list:
         """vec_dot's 8 int32 lanes of one super-block (see matmul_quant_k._Pass._lane_sums)."""
