@@ -135,3 +135,33 @@ def test_the_graph_copy_prints_as_the_model_graph(tmp_path, monkeypatch):
     assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3], logits="last")) == 0
     assert copies and all(original == copy for original, copy in copies)
     LLVMBackend._shared_caches.clear()
+
+
+def _quant_graph(m_rows: int):
+    from llamir.ir import Q4_0
+
+    b = GraphBuilder("q", dims=["T"])
+    x = b.input("x", ["T", 64], F32)
+    b.output("y", b.mul_mat(b.weight("w", [m_rows, 64], Q4_0), x))
+    return b.graph
+
+
+def test_runtime_ints_share_a_kernel_between_dims(tmp_path, monkeypatch):
+    """A kernel that passes its row count at run time serves two weights of different heights
+    with one compiled function, and both still give the reference's bits."""
+    from llamir.backends.llvm.kernels.matmul_quant import MatMulQ
+    from llamir.ir import Q4_0, quants
+
+    monkeypatch.setattr(MatMulQ, "runtime_ints", (1,))
+    backend = LLVMBackend(n_threads=2, cache_dir=tmp_path)
+    for m_rows, expect in ((32, "miss"), (48, "miss (entry)")):
+        g = _quant_graph(m_rows)
+        exe = backend.compile(g)
+        assert backend.compile_stats.cache.startswith(expect)
+        values = {"x": rng.standard_normal((5, 64)).astype(np.float32),
+                  "w": quants.quantize(rng.standard_normal((m_rows, 64)).astype(np.float32), Q4_0)}
+        np.testing.assert_array_equal(exe(values, {"T": 5})["y"], run_graph(g, values, {"T": 5})["y"])
+    monkeypatch.setattr(MatMulQ, "runtime_ints", ())
+    backend.compile(_quant_graph(64))
+    assert backend.compile_stats.cache == "miss (1 new kernels)"    # compiled in: one kernel per height
+    LLVMBackend._shared_caches.clear()
