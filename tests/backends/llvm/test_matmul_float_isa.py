@@ -196,3 +196,14 @@ def test_bf16_denormals_and_specials(backend, n):
     g = GraphBuilder("g")
     g.output("y", g.mul_mat(g.weight("a", [m, k], BF16), g.input("b", [n, k], F32)))
     _same(backend, g.graph, {"a": _weight(x, BF16), "b": b})
+
+
+@pytest.mark.parametrize("k", [96, 1088, 1100])
+def test_run_time_k(backend, k):
+    """K known only at run time (as n_kv in attention's kq @ v): chunks computed per call; 1100 is
+    not a multiple of 32, so the avx512 profile's bf16 and other lane counts may leave tinyBLAS."""
+    m, n = 8, 7
+    g = GraphBuilder("g", dims=["K"])
+    g.output("y", g.mul_mat(g.input("a", [m, "K"], F16), g.input("b", [n, "K"], F32)))
+    _same(backend, g.graph, {"a": rng.standard_normal((m, k)).astype(np.float16),
+                             "b": rng.standard_normal((n, k)).astype(np.float32)}, {"K": k})

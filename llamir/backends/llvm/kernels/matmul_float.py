@@ -213,15 +213,20 @@ class MatMulFloat(Kernel):
                     arow = [em.gep(scratch, em.mul(em.mul(i, K), 4)) for i in range(RM)]
                 else:
                     arow = [em.gep(A, em.mul(em.add(mt, i), lda)) for i in range(RM)]
-                with em.loop(0, K, kc, name="kc") as k0:
-                    k1 = em.min(em.add(k0, kc), K)
-                    chunk = _Chunk(k0, k1, em.icmp("==", k0, 0), em.icmp("==", k1, K))
-
-                    def tile(nt, n, chunk=chunk, arow=arow, B=B, Y=Y, mt=mt):
+                def sweep(chunk: _Chunk, arow=arow, B=B, Y=Y, mt=mt) -> None:
+                    def tile(nt, n):
                         acc = em.gep(accbuf, em.mul(em.sub(nt, n0), RM * tiles.acc_lanes * 4))
                         self._tile(em, tiles, arow, B, Y, acc, chunk, mt, nt, n, ldb, ldy, native)
 
                     em.tiles(n0, n1, rn, tile, name="nt")
+
+                if isinstance(K, int) and K <= tiles.k_chunk:   # one chunk, known when compiling
+                    true = ir.Constant(ir.IntType(1), 1)
+                    sweep(_Chunk(em.i64(0), em.i64(K), true, true))
+                else:
+                    with em.loop(0, K, kc, name="kc") as k0:
+                        k1 = em.min(em.add(k0, kc), K)
+                        sweep(_Chunk(k0, k1, em.icmp("==", k0, 0), em.icmp("==", k1, K)))
 
     def _asize(self) -> int:
         return {"f32": 4, "f16": 2, "bf16": 2}[self.a_dtype]
@@ -242,34 +247,70 @@ class MatMulFloat(Kernel):
         def slot(j: int, i: int, p: int) -> int:
             return ((j * RM + i) * tiles.acc_lanes + p * width) * 4
 
+        def reduce_store(j: int, i: int, whole) -> None:
+            out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
+            em.store(em.reduce_add_tree(whole), Y, out)
+
         for p in range(tiles.parts):
-            accs = [[em.var(vec(F32, width), em.b.select(chunk.first, zero, em.load(vec(F32, width), acc_ptr,
-                                                                                    slot(j, i, p))))
-                     for i in range(RM)] for j in range(rn)]
+            accs = [[em.var(vec(F32, width), zero) for i in range(RM)] for j in range(rn)]
+            with em.if_(em.b.not_(chunk.first)):
+                for j in range(rn):
+                    for i in range(RM):
+                        em.set(accs[j][i], em.load(vec(F32, width), acc_ptr, slot(j, i, p)))
             with em.loop(chunk.k0, chunk.k1, kn, name=f"k{p}") as k:
                 col = em.add(k, p * span)
-                # the shorter side stays in registers, the other is loaded per use (ggml's order)
-                if native:
-                    bv = [em.load(vec(I16, span), brow[j], em.mul(col, 2)) for j in range(rn)]
-                else:
-                    bv = [_v(em, brow[j], em.mul(col, b_size), self.b_dtype, span) for j in range(rn)]
-                for i in range(RM):
-                    av = em.load(vec(I16 if native else F32, span), arow[i], em.mul(col, a_size))
-                    for j in range(rn):
-                        acc = em.get(accs[j][i])
-                        if native:
-                            em.set(accs[j][i], dpbf16_raw(em, acc, av, bv[j]))
-                        else:
-                            em.set(accs[j][i], dpbf16(em, acc, av, bv[j]) if self._dp else em.fma(av, bv[j], acc))
+                self._k_step(em, accs, arow, brow, col, span, a_size, b_size, native)
+            if tiles.parts == 1:    # the usual case: reduced from registers after the last chunk
+                with em.if_else(chunk.last) as (then, otherwise):
+                    with then:
+                        for j in range(rn):
+                            for i in range(RM):
+                                reduce_store(j, i, em.get(accs[j][i]))
+                    with otherwise:
+                        for j in range(rn):
+                            for i in range(RM):
+                                em.store(em.get(accs[j][i]), acc_ptr, slot(j, i, p))
+                return
             for j in range(rn):
                 for i in range(RM):
                     em.store(em.get(accs[j][i]), acc_ptr, slot(j, i, p))
         with em.if_(chunk.last):
             for j in range(rn):
                 for i in range(RM):
-                    whole = em.load(vec(F32, tiles.acc_lanes), acc_ptr, slot(j, i, 0))
-                    out = em.add(em.mul(em.add(nt, j), ldy), em.mul(em.add(mt, i), 4))
-                    em.store(em.reduce_add_tree(whole), Y, out)
+                    reduce_store(j, i, em.load(vec(F32, tiles.acc_lanes), acc_ptr, slot(j, i, 0)))
+
+    def _k_step(self, em: Emitter, accs, arow, brow, col, span: int, a_size: int, b_size: int, native: bool) -> None:
+        """One step of `span` inputs into every accumulator of the tile. The shorter side stays in
+        registers, the other is loaded per use (ggml's gemm_bloc order)."""
+        rn = len(brow)
+
+        def load_a(i: int):
+            return em.load(vec(I16 if native else F32, span), arow[i], em.mul(col, a_size))
+
+        def load_b(j: int):
+            if native:
+                return em.load(vec(I16, span), brow[j], em.mul(col, 2))
+            return _v(em, brow[j], em.mul(col, b_size), self.b_dtype, span)
+
+        def fma(j: int, i: int, av, bv) -> None:
+            acc = em.get(accs[j][i])
+            if native:
+                em.set(accs[j][i], dpbf16_raw(em, acc, av, bv))
+            else:
+                em.set(accs[j][i], dpbf16(em, acc, av, bv) if self._dp else em.fma(av, bv, acc))
+
+        if RM <= rn:
+            avs = [load_a(i) for i in range(RM)]
+            for j in range(rn):
+                bv = load_b(j)
+                for i in range(RM):
+                    fma(j, i, avs[i], bv)
+        else:
+            bvs = [load_b(j) for j in range(rn)]
+            for i in range(RM):
+                av = load_a(i)
+                for j in range(rn):
+                    fma(j, i, av, bvs[j])
 
     # -- ggml_vec_dot order --------------------------------------------------------------------
     def _vec_dots(self, em: Emitter, A, B, Y, m0, m1, N, K, lda, ldb, ldy) -> None:
