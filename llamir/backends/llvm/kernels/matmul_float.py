@@ -6,16 +6,18 @@ widths of the numerics profile (em.numerics; ir/float_x86.py is the reference):
   accumulator of `lanes` per output over steps of KN = lanes, reduced as _mm512_reduce_add_ps or
   the 128-bit hsum (for bf16 with vdpbf16ps: KN = 32, pairs of products per lane, denormals
   flushed). Computed in register tiles sized for the target (4 x 6 with 32 registers, 4 x 3 with
-  16) over n-blocks that stay in L2; f16/bf16 weight rows are widened once per n-block into a
-  per-thread scratch. An accumulator wider than the target's vectors (the avx512 profile on an
-  AVX2 CPU) is summed one register-wide part at a time: each lane still adds its own products in
-  K order, so the parts are computed in turn and joined before the reduction.
+  16) over n-blocks of b that stay in L2 while all of a thread's weight rows pass over them, and
+  K chunks that stay in L1 (the accumulators wait in a per-thread scratch between chunks: each
+  lane still adds its products in K order). f16/bf16 weight rows are widened once per n-block
+  into the scratch, except for bf16 with vdpbf16ps on an AVX512_BF16 target, which reads them as
+  they are. An accumulator wider than the target's vectors (the avx512 profile on an AVX2 CPU)
+  is summed one register-wide part at a time, and the parts are joined before the reduction.
 - ggml_vec_dot_f16/f32 otherwise: four accumulators over steps of 4 * lanes, GGML_F32_VEC_REDUCE,
   then the leftovers (into a double for f16; for f32 rounded products, then fmas for the last
   K % fused_tail); ggml_vec_dot_bf16: two vdpbf16ps accumulators over 64-wide steps, or four
   8-lane ones over 32, each reduced into the double, then the leftovers.
 
-b arrives already rounded to a's type (see MatPrep) unless a is f32. Threads split the
+b arrives already rounded to a's type (see MatPrep; bf16 bits with vdpbf16ps) unless a is f32. Threads split the
 (batch, 16-row block of M) units. `FloatTiles` chooses every size from the target and profile.
 """
 
