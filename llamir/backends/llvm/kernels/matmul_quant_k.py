@@ -13,7 +13,8 @@ llamir/ir/quants_k_x86.py, the reference they match bit for bit):
 
 The full sums use vpdpbusd chains per sub-block times the sub-block scale (vpmaddubsw + vpmaddwd
 without VNNI). Each thread takes groups of 16 weight rows; tokens go in tiles of RN through L2-
-sized blocks, as in matmul_quant.py.
+sized blocks, as in matmul_quant.py. Targets without AVX-512 run the same modes on 8-row halves of
+each group in 256-bit registers (matmul_quant_k8.py).
 """
 
 from __future__ import annotations
