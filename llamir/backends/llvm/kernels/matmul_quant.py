@@ -41,6 +41,8 @@ def dpbusd(em: Emitter, acc, w_u8, x_s8):
 class MatMulQ(Kernel):
     """y [N, M] f32 = act [N, K] (quantized rows) x packed weight [M, K]."""
 
+    runtime_ints = (1,)     # M is only a loop bound: weights of any height share one function
+
     def __init__(self, fmt: QFormat, K: int, n_rows, m_rows: int):
         self.fmt = fmt
         self.K = K
