@@ -65,6 +65,8 @@ def maddwd(em: Emitter, a, s):
 class MatMulQK(Kernel):
     """y [P, N, M] f32 = Q8_K rows [P, N] x a K-quant weight [M, K] in ggml's order for it."""
 
+    runtime_ints = (2,)     # M is only a loop bound: weights of any height share one function
+
     def __init__(self, fmt: KFormat, K: int, planes, rows, m_rows: int, repacked: bool):
         self.fmt = fmt
         self.K = K
