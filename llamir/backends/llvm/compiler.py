@@ -10,6 +10,7 @@ send back the object code.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import struct
@@ -164,6 +165,7 @@ class _ForkPool:
         with _llvm_quiet():
             pid = os.fork()
             if pid == 0:                      # the child: never returns
+                gc.disable()                  # no finalizers of the parent's objects run here
                 for fd in self.parent_fds + [task_w, answer_r]:
                     os.close(fd)
                 self._serve(task_r, answer_w)

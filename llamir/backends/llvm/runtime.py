@@ -271,9 +271,9 @@ class ThreadPool:
                                           name=f"llamir-worker-{i}") for i in range(1, n_threads)]
         for t in self._threads:
             t.start()
-        self._finalizer = weakref.finalize(self, _stop, self._run, self._state, self._state_ptr,
-                                           self._threads, self._tracker)
         self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _stop, self._run, self._state, self._state_ptr,
+                                           self._threads, self._tracker, self._pid)
 
     def run(self, fn_addr: int, frame_ptr: int, n_threads: int | None = None) -> None:
         """Run `fn_addr` (a compiled split) on `frame_ptr` with all threads; returns when done.
@@ -294,9 +294,10 @@ class ThreadPool:
         self._finalizer()
 
 
-def _stop(run, state, state_ptr, threads, tracker) -> None:
-    """Tell the workers to exit (stop flag, new generation, futex wake) and join them."""
-    if not threads:
+def _stop(run, state, state_ptr, threads, tracker, pid: int) -> None:
+    """Tell the workers to exit (stop flag, new generation, futex wake) and join them. In a forked
+    child (a compile worker) the pool's threads do not exist: waiting for them would spin forever."""
+    if not threads or os.getpid() != pid:
         return
     state.view(np.int32)[(state_ptr - state.ctypes.data + STOP) // 4] = 1
     run(state_ptr, 0, 0, 0, len(threads))   # nth = 0: nobody runs the (null) split; workers see stop

@@ -64,6 +64,33 @@ def test_a_worker_killed_by_llvm_is_a_codegen_error():
 
 
 @needs_fork
+def test_a_thread_pool_collected_in_a_worker_does_not_wait_for_its_threads():
+    """A forked worker has none of the parent's threads: a pool garbage-collected there (its
+    finalizer run by the child's gc) must not wait for them. It spun forever in sched_yield."""
+    import gc
+    import subprocess
+    import sys
+
+    script = (
+        "import gc\n"
+        "from llamir.backends.llvm.compiler import compile_jobs\n"
+        "from llamir.backends.llvm.runtime import ThreadPool\n"
+        "pool = ThreadPool(2)\n"
+        "pool.cycle = pool\n"          # only the cyclic gc frees it
+        "del pool\n"
+        "gc.disable()\n"
+        "def job():\n"
+        "    gc.collect()\n"
+        "    return b'ok'\n"
+        "print(compile_jobs([job, job], workers=2))\n"
+    )
+    gc.collect()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("b'ok'") == 2
+
+
+@needs_fork
 def test_workers_emit_the_same_object_code_as_this_process():
     g = _graph()
     LLVMBackend._shared_caches.clear()
