@@ -133,3 +133,11 @@ def test_observe_stop_does_not_crash_on_unevaluated_outputs():
     # still succeeds; the outputs computed so far come back
     out = Interpreter().run(g.graph, {"x": np.ones(2, np.float32)}, observe=lambda n, v: n.name != "a")
     assert "y" not in out and "a" in out
+
+
+def test_soft_max_of_a_vector_with_a_mask_infers_one_row():
+    """A 1-D x has one row (ggml's ne[1] = 1); reading its shape[-2] raised IndexError."""
+    b = GraphBuilder("g")
+    x, m = b.input("x", [8], F32), b.input("m", [8], F32)
+    y = b.op(ops.SoftMaxExt(scale=1.0, max_bias=0.0, mask=True, sinks=False), x, m)
+    assert y.type.shape == (8,)

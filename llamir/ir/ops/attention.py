@@ -87,7 +87,7 @@ class SoftMaxExt(Op):
             require(m.dtype in (F32, F16), f"mask must be f32 or f16, got {m.dtype}")
             require(m.shape[-1] == x.shape[-1], f"mask {m} and x {x} differ in the last axis")
             require(m.rank <= x.rank, f"mask {m} has a higher rank than {x}")
-            rows_m, rows_x = (m.shape[-2] if m.rank >= 2 else 1), x.shape[-2]
+            rows_m, rows_x = (m.shape[-2] if m.rank >= 2 else 1), (x.shape[-2] if x.rank >= 2 else 1)
             require(not (isinstance(rows_m, int) and isinstance(rows_x, int)) or rows_m >= rows_x
                     or rows_m == rows_x, f"mask {m} has fewer rows than x {x}")
             for axis in (-3, -4):
