@@ -26,18 +26,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import struct
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from llamir.testing import libfuzzer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = ROOT / "fuzz" / "corpus" / "gguf"
 DEFAULT_CRASHES = ROOT / "fuzz" / "crashes" / "gguf"
-FINDING_PREFIXES = ("crash-", "timeout-", "oom-", "leak-", "slow-unit-")
 SEED_SPECS = {  # tiny, so that most of each input is header and a decode is quick
     "llama": dict(arch="llama"),
     "qwen2-q8_0": dict(arch="qwen2", dtype="q8_0"),
@@ -229,75 +227,9 @@ def seed_corpus(corpus: Path) -> int:
     return sum(1 for p in corpus.iterdir() if p.is_file())
 
 
-def findings(crashes: Path) -> set[Path]:
-    return {p for p in crashes.iterdir() if p.name.startswith(FINDING_PREFIXES)} if crashes.exists() else set()
-
-
-def run_once(args, seconds: int) -> tuple[int, int, str]:
-    """One libFuzzer run of at most `seconds`: (exit status, cases run, its log)."""
-    libfuzzer = [f"-max_total_time={seconds}", f"-timeout={args.timeout}", f"-rss_limit_mb={args.rss_limit_mb}",
-                 f"-max_len={args.max_len}", f"-artifact_prefix={args.crashes}/", "-print_final_stats=1",
-                 str(args.corpus)]
-    if args.seed is not None:
-        libfuzzer.insert(0, f"-seed={args.seed}")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--", *libfuzzer]
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=ROOT)
-    log = proc.stdout + proc.stderr
-    runs = re.findall(r"stat::number_of_executed_units: (\d+)", log) or re.findall(r"^#(\d+)", log, re.M)
-    return proc.returncode, int(runs[-1]) if runs else 0, log
-
-
-def fuzz(args) -> int:
-    args.crashes.mkdir(parents=True, exist_ok=True)
-    n_seeds = seed_corpus(args.corpus)
-    before = findings(args.crashes)
-    deadline = time.monotonic() + args.seconds
-    total_runs, restarts, logs, seeds = 0, 0, [], []
-    while (left := int(deadline - time.monotonic())) > 0:
-        status, runs, log = run_once(args, left)
-        total_runs += runs
-        seeds += re.findall(r"INFO: Seed: (\d+)", log)
-        if status == 0:
-            break
-        logs.append(log)
-        if "ModuleNotFoundError: No module named 'atheris'" in log:
-            print("fuzz_gguf: atheris is not installed (pip install atheris)", file=sys.stderr)
-            return 2
-        if not args.keep_going:
-            break
-        restarts += 1
-    new = sorted(findings(args.crashes) - before)
-    corpus_size = sum(1 for p in args.corpus.iterdir() if p.is_file())
-    print(f"fuzz_gguf: {total_runs} cases in {args.seconds}s, seed {','.join(seeds) or '?'} ({restarts} restarts "
-          f"after findings); corpus {args.corpus}: {corpus_size} files ({n_seeds} at the start); {len(new)} new "
-          "findings" + (f" in {args.crashes}" if new else ""))
-    for path in new:
-        print(f"  {path}")
-    for log in logs:
-        print(f"---\n{_traceback(log)}")
-    if logs and not new:
-        print("fuzz_gguf: the fuzzer stopped with no finding file; its log ends:\n" + logs[-1][-3000:])
-    return 1 if new or logs else 0
-
-
-def _traceback(log: str) -> str:
-    start = log.find("=== Uncaught Python exception: ===")
-    return log[start:start + 4000] if start >= 0 else log[-3000:]
-
-
 def replay(paths: list[str]) -> int:
-    failed = 0
-    for name in paths:
-        data = Path(name).read_bytes()
-        try:
-            print(f"{name}: {check(data)}")
-        except Exception as err:   # a finding: show it, go on with the next file
-            failed += 1
-            import traceback
-
-            print(f"{name}: FAILS with {type(err).__name__}: {err}")
-            traceback.print_exc()
-    return 1 if failed else 0
+    """Run `check` on kept inputs (finding files, corpus entries); 1 if any fails."""
+    return libfuzzer.replay(paths, check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds < 1:
         p.error(f"--seconds must be at least 1, got {args.seconds}")
     args.corpus, args.crashes = args.corpus.resolve(), args.crashes.resolve()
-    return fuzz(args)
+    return libfuzzer.drive("fuzz_gguf", Path(__file__).resolve(), args, seed_corpus)
 
 
 if __name__ == "__main__":
