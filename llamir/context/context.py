@@ -23,6 +23,7 @@ from llamir.context.outputs import OutputError, Outputs
 from llamir.context.params import ContextParams, ContextParamsError, CParams, resolve
 from llamir.context.perf import Perf
 from llamir.context.runner import Runner
+from llamir.context.token_step import TokenStep
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.model import Model
 from llamir.frontend.placement import PlacementError, PlacementParams
@@ -98,6 +99,11 @@ class Context:
         self.cb_eval: Callable[[str, np.ndarray | None, bool], bool] | None = None
         self.perf_counters = Perf(enabled=not self.cparams.no_perf, t_load_ms=getattr(model, "t_load_ms", 0.0))
         self._prev: GraphResult | None = None
+        self._token_step: TokenStep | None = None
+        self._last_bindings: dict[str, int] = {}
+        # a generated token skips the general path's bookkeeping (llamir.context.token_step); the
+        # results are the same either way: off, every batch takes the general path
+        self.fast_token_decode = True
         self._updater = MemoryUpdater(model, self.backend, self.cparams.rope)
         if not self.runner.single:
             self.reserve()
@@ -198,6 +204,10 @@ class Context:
             return self._fail(DECODE_COMPUTE, f"internal error: {type(err).__name__}: {err}")
 
     def _decode(self, batch: Batch) -> int:
+        if self._token_step is not None and self.fast_token_decode:
+            status = self._token_step.decode(batch)
+            if status is not None:
+                return status
         hp, cp = self.model.hparams, self.cparams
         n_seq_max = LLAMA_MAX_SEQ if cp.kv_unified else cp.n_seq_max
         try:
@@ -238,6 +248,7 @@ class Context:
             return self._fail(status, message)
         self.outputs.commit(self.balloc.out_ids, n_outputs_all)
         self.perf_counters.stop()
+        self._token_step = TokenStep.arm(self, self._prev, self._last_bindings) if n_tokens_all == 1 else None
         return DECODE_OK
 
     def _run_ubatches(self, mctx, n_tokens_all: int, n_outputs_all: int) -> tuple[int, str]:
@@ -277,19 +288,24 @@ class Context:
                 if mctx is not None:
                     result.values.update(self.memory.buffers)
             values = result.set_inputs(ubatch, result.values)
-            bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)
+            bindings = self._last_bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)
         except (IRError, BackendError, PlacementError, SchedError, ValueError) as err:
             return DECODE_COMPUTE, f"failed to build the graph: {type(err).__name__}: {err}"
+        status, message, out = self._compute(cg, values, bindings, ubatch.n_tokens)
+        if status == DECODE_OK:
+            self._extract(ubatch, out, n_outputs, n_outputs_prev)
+        return status, message
+
+    def _compute(self, cg, values: dict, bindings: dict[str, int], n_tokens: int) -> tuple[int, str, dict]:
+        """Run one ubatch's graph: (status, reason, outputs); any failure is a status, not an error."""
         try:
-            out = self.runner.run(cg, values, bindings, ubatch.n_tokens, self._observer())
+            return DECODE_OK, "", self.runner.run(cg, values, bindings, n_tokens, self._observer())
         except AbortedError:
-            return DECODE_ABORTED, "aborted during compute"
+            return DECODE_ABORTED, "aborted during compute", {}
         except MemoryError as err:
-            return DECODE_ALLOC, f"out of memory: {err}"
+            return DECODE_ALLOC, f"out of memory: {err}", {}
         except Exception as err:  # noqa: BLE001 - any backend failure is a compute failure (-3)
-            return DECODE_COMPUTE, f"compute failed: {type(err).__name__}: {err}"
-        self._extract(ubatch, out, n_outputs, n_outputs_prev)
-        return DECODE_OK, ""
+            return DECODE_COMPUTE, f"compute failed: {type(err).__name__}: {err}", {}
 
     def _bindings(self, graph, ubatch: UBatch, mctx, n_outputs: int) -> dict[str, int]:
         bindings = {"n_out": n_outputs}
