@@ -4,6 +4,8 @@
 
 Models: a ~5M and a ~110M random-weight llama (12 layers, n_embd 768, vocab 32000) in f32, f16,
 q8_0, q4_0, q4_k and q6_k, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1.
+Named in --models only: a 1.03B one of TinyLlama's shape (large-f16, large-q8_0, large-q4_0), whose
+weights no L3 here holds: its tg128 row is the memory-bound roofline test.
 Each engine runs pp128, pp512 and tg128 with the same thread count, timed the same way (llamir.cli_bench:
 median of the prompt runs, generation rate from the median token). Also reported: the memory
 bandwidth measured here and the token-generation roofline it implies (weight bytes per token /
@@ -28,6 +30,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +51,11 @@ from llamir.paths import cache_dir
 
 SMALL = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=4, n_ff=768, n_vocab=4096, tied=True)
 BIG = dict(n_layer=12, n_embd=768, n_head=12, n_head_kv=12, n_ff=2048, n_vocab=32000, tied=True)
+# TinyLlama-1.1B's shape (1.03B params with tied embeddings): weights that no L3 here holds, for
+# the token-generation roofline where memory bandwidth is the limit. Only when named in --models.
+LARGE = dict(n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632, n_vocab=32000, tied=True)
 DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k")
+LARGE_DTYPES = ("f16", "q8_0", "q4_0")
 TESTS = (("pp128", 128, 0), ("pp512", 512, 0), ("tg128", 0, 128))
 
 
@@ -56,10 +63,10 @@ def model_paths(selected: list[str] | None) -> dict[str, Path]:
     out = {}
     root = cache_dir() / "bench"
     root.mkdir(parents=True, exist_ok=True)
-    for size, spec in (("small", SMALL), ("big", BIG)):
-        for dtype in DTYPES:
+    for size, spec, dtypes in (("small", SMALL, DTYPES), ("big", BIG, DTYPES), ("large", LARGE, LARGE_DTYPES)):
+        for dtype in dtypes:
             name = f"{size}-{dtype}"
-            if selected and name not in selected:
+            if (selected and name not in selected) or (size == "large" and not selected):
                 continue
             path = root / f"llama-{name}.gguf"
             if not path.exists():
@@ -98,20 +105,23 @@ def l3_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-def memory_bandwidth(n_bytes: int | None = None) -> tuple[float, int]:
-    """DRAM read bandwidth of this machine (bytes/s) and the buffer it was read from: a numpy
-    streaming read (a float32 array dotted with itself) over 4x the L3 (at least 1 GiB, at most
-    a quarter of the free memory), best of three."""
+def memory_bandwidth(threads: int, n_bytes: int | None = None) -> tuple[float, int]:
+    """DRAM read bandwidth of this machine with `threads` threads reading (bytes/s), and the
+    buffer it was read from: a numpy streaming read (a float32 array dotted with itself, a slice
+    per thread; numpy lets go of the GIL) over 4x the L3 (at least 1 GiB, at most a quarter of the
+    free memory), best of three. One thread alone reads far less than two do."""
     if n_bytes is None:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         n_bytes = min(max(4 * l3_bytes(), 1 << 30), free // 4)
     a = np.ones(n_bytes // 4, dtype=np.float32)
-    a.dot(a)
+    parts = np.array_split(a, max(threads, 1))
     best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        a.dot(a)
-        best = min(best, time.perf_counter() - t0)
+    with ThreadPoolExecutor(len(parts)) as pool:
+        for i in range(4):   # the first pass faults the pages in
+            t0 = time.perf_counter()
+            list(pool.map(lambda part: part.dot(part), parts))
+            if i:
+                best = min(best, time.perf_counter() - t0)
     return a.nbytes / best, a.nbytes
 
 
@@ -136,7 +146,7 @@ def isa_report(isa: str, threads: int, build: str | None) -> dict:
 def run(models: dict[str, Path], threads: int, reps: int, rounds: int, isa: str = "host",
         llama_cpp_path: str | None = None) -> dict:
     build = llama_cpp_build(isa, llama_cpp_path)
-    bandwidth, buffer = memory_bandwidth()
+    bandwidth, buffer = memory_bandwidth(threads)
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads, "rounds": rounds,
                           "memory_bandwidth_GBps": bandwidth / 1e9, "bandwidth_buffer_bytes": buffer,
                           "l3_bytes": l3_bytes(), "python": sys.version.split()[0],
@@ -171,7 +181,8 @@ def table(report: dict) -> str:
     lines = [f"isa {isa['isa']}  cpu {isa['cpu']}",
              f"  llamir    {isa['llamir']}",
              f"  llama.cpp {isa['llama.cpp_build']}: {isa['llama.cpp']}",
-             f"threads={m['threads']}  memory bandwidth {m['memory_bandwidth_GBps']:.1f} GB/s (numpy read of "
+             f"threads={m['threads']}  memory bandwidth {m['memory_bandwidth_GBps']:.1f} GB/s "
+             f"({m['threads']} threads' numpy read of "
              f"{m['bandwidth_buffer_bytes'] / 2**30:.1f} GiB, L3 {m['l3_bytes'] / 2**20:.0f} MiB)  "
              f"load {m['load_average'][0]:.2f}",
              "",

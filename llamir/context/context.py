@@ -296,10 +296,13 @@ class Context:
             self._extract(ubatch, out, n_outputs, n_outputs_prev)
         return status, message
 
-    def _compute(self, cg, values: dict, bindings: dict[str, int], n_tokens: int) -> tuple[int, str, dict]:
-        """Run one ubatch's graph: (status, reason, outputs); any failure is a status, not an error."""
+    def _compute(self, cg, values: dict, bindings: dict[str, int], n_tokens: int,
+                 run: Callable[[], dict] | None = None) -> tuple[int, str, dict]:
+        """Run one ubatch's graph (by `run` when given): (status, reason, outputs); any failure is
+        a status, not an error."""
         try:
-            return DECODE_OK, "", self.runner.run(cg, values, bindings, n_tokens, self._observer())
+            out = run() if run is not None else self.runner.run(cg, values, bindings, n_tokens, self._observer())
+            return DECODE_OK, "", out
         except AbortedError:
             return DECODE_ABORTED, "aborted during compute", {}
         except MemoryError as err:

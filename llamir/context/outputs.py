@@ -82,6 +82,21 @@ class Outputs:
         self.output_ids, self.n_outputs = prev.output_ids, prev.n_outputs
         self.swaps, self.embd_seq = prev.swaps, prev.embd_seq
 
+    def commit_one(self, logits: np.ndarray | None, embd: np.ndarray | None) -> None:
+        """begin(1), write(0, logits, embd) and commit([0], 1) at once, for a batch whose one
+        output is its token 0 (a generated token), once its compute has succeeded: there is
+        nothing to put back, so nothing is kept."""
+        self.swaps, self.embd_seq = [], {}
+        n_max = max(1, self.n_seq_max)
+        if (self.has_logits and self.logits.shape[0] < n_max) or (self.has_embd and self.embd.shape[0] < n_max):
+            self.reserve(1)
+        elif not (self.n_outputs == 1 and self.output_ids[0] == 0):
+            # the map holds exactly n_outputs rows: with the one row at token 0, the rest is -1
+            self.output_ids[:] = -1
+        self.write(0, logits, embd)
+        self.output_ids[0] = 0
+        self.n_outputs = 1
+
     def write(self, row0: int, logits: np.ndarray | None, embd: np.ndarray | None) -> None:
         n = 0 if logits is None and embd is None else len(logits if logits is not None else embd)
         if logits is not None and self.has_logits:

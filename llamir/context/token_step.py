@@ -34,10 +34,14 @@ class TokenStep:
 
     def __init__(self, ctx, result: GraphResult, bindings: dict[str, int]):
         self.ctx = ctx
+        self.cparams = ctx.cparams
         self.result = result
         self.memory: KVCache = ctx.memory
         self.bindings = dict(bindings)
         self.executable = result.graph.executable
+        # a backend's executable may offer to run again on what its last call bound
+        self.call_bound = getattr(self.executable, "call_bound", None)
+        self.binding = getattr(self.executable, "binding", None)
         values = result.values
         kv: InputAttnKV = next(inp for inp in result.inputs if type(inp) is InputAttnKV)
         k_name, v_name, mask_name = kv.leaf_names
@@ -51,7 +55,6 @@ class TokenStep:
         # the mask row: allowed (1) -> 0, masked (0) -> -inf, in the mask's dtype
         self.fill = np.array([-np.inf, 0.0], dtype=self.mask.dtype)
         self.mask_row = self.mask.reshape(-1)
-        self.allowed = np.empty(self.n_kv, dtype=bool)
         self.n_vocab = ctx.model.hparams.n_vocab
 
     @classmethod
@@ -76,8 +79,9 @@ class TokenStep:
     def decode(self, batch: Batch) -> int | None:
         """The status of decoding `batch`, or None (nothing changed) if the general path must."""
         ctx = self.ctx
-        if ctx._prev is not self.result or ctx.memory is not self.memory or ctx.abort_callback is not None \
-                or ctx.cb_eval is not None or type(batch) is not Batch or batch.embd is not None:
+        if (ctx._prev is not self.result or ctx.memory is not self.memory or ctx.cparams is not self.cparams
+                or ctx.abort_callback is not None or ctx.cb_eval is not None
+                or type(batch) is not Batch or batch.embd is not None):
             return None
         token = self._one_int(batch.tokens)
         if token is None or not 0 <= token < self.n_vocab:
@@ -142,18 +146,14 @@ class TokenStep:
             memory.v_heads[0] = idx + 1
             perf.n_reused += 1
             self._set_inputs(token, p, idx, cells, s)
-            status, message, out = ctx._compute(self.result.graph, self.result.values, self.bindings, 1)
+            status, message, out = ctx._compute(self.result.graph, self.result.values, self.bindings, 1, self._run)
         except BaseException:
             self._rollback(cells, idx, old_head, old_shift)
             raise
         if status:
             self._rollback(cells, idx, old_head, old_shift)
             return ctx._fail(status, message)
-        outputs = ctx.outputs          # what begin, write and commit do for one row
-        outputs.swaps, outputs.embd_seq = [], {}
-        outputs.reserve(1)
-        outputs.write(0, out.get("logits"), out.get("embd"))
-        outputs.finish([0], 1)
+        ctx.outputs.commit_one(out.get("logits"), out.get("embd"))
         perf.stop()
         return 0
 
@@ -167,10 +167,18 @@ class TokenStep:
             self.v_idxs[0] = idx
         else:
             np.add(self.v_rows, idx, out=self.v_idxs)
-        n_kv = self.n_kv           # KVCache.kq_mask: the cells of sequence s at positions <= p
-        np.less_equal(cells.pos[:n_kv], p, out=self.allowed)
-        np.logical_and(self.allowed, cells.seq[:n_kv, s], out=self.allowed)
-        np.take(self.fill, self.allowed.view(np.uint8), out=self.mask_row)
+        # KVCache.kq_mask: the cells of sequence s at positions <= p, which are all of s's cells
+        # (p is past every position s holds: the sequence's next one, or s held none)
+        np.take(self.fill, cells.seq[:self.n_kv, s].view(np.uint8), out=self.mask_row)
+
+    def _run(self) -> dict:
+        """The graph on the inputs just written: without binding them again while the
+        executable still holds what the arming call (or the last full call here) bound."""
+        out = None if self.call_bound is None else self.call_bound(self.binding)
+        if out is None:
+            out = self.ctx.runner.run(self.result.graph, self.result.values, self.bindings, 1, None)
+            self.binding = getattr(self.executable, "binding", None)
+        return out
 
     def _rollback(self, cells, idx: int, head: int, shift: int) -> None:
         """The cell empty again (as it was) and the head back: what KVCache.undo would restore."""

@@ -17,6 +17,7 @@ import pytest
 
 import llamir
 from llamir.backends import BackendError
+from llamir.backends.llvm.executable import CompiledSplit
 from llamir.frontend.synth import SynthSpec, write_model
 
 N_SEQ = 3
@@ -29,17 +30,19 @@ def model(tmp_path_factory):
                                                          n_vocab=300, seed=3)))
 
 
-class FailingRunner:
-    """Wraps a context's runner.run: raises while `fail` is set (a compute that fails)."""
+class Failing:
+    """Makes the LLVM executables' native run raise while `fail` is set (a compute that fails),
+    whichever way the run was reached."""
 
-    def __init__(self, ctx):
-        self.run, self.fail = ctx.runner.run, False
-        ctx.runner.run = self
+    def __init__(self, monkeypatch):
+        self.fail = False
+        run = CompiledSplit._run
 
-    def __call__(self, *args, **kwargs):
-        if self.fail:
-            raise BackendError("injected failure")
-        return self.run(*args, **kwargs)
+        def failing_run(exe):
+            if self.fail:
+                raise BackendError("injected failure")
+            return run(exe)
+        monkeypatch.setattr(CompiledSplit, "_run", failing_run)
 
 
 class Counted:
@@ -66,7 +69,7 @@ def snapshot(ctx) -> dict:
     return out
 
 
-def step(ctx, rng: random.Random, failing: FailingRunner, saved: list):
+def step(ctx, rng: random.Random, failing: Failing, saved: list):
     """One random operation; what it returned."""
     op = rng.choices(["token", "prompt", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "state", "clear",
                       "fail"], weights=[60, 4, 4, 3, 1, 2, 1, 2, 1, 3])[0]
@@ -110,7 +113,7 @@ def step(ctx, rng: random.Random, failing: FailingRunner, saved: list):
 
 @pytest.mark.parametrize("flash_attn, unified", [("off", True), ("on", True), ("off", False)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fast_lane_matches_the_general_path(model, seed, flash_attn, unified):
+def test_fast_lane_matches_the_general_path(model, seed, flash_attn, unified, monkeypatch):
     """One stream shared by the sequences (kv_unified), with and without flash attention (an f16
     mask, V not transposed); a stream per sequence is the general path's alone."""
     # 40 cells per stream: the cache fills, wraps and runs out of slots; n_kv stays 40
@@ -118,7 +121,7 @@ def test_fast_lane_matches_the_general_path(model, seed, flash_attn, unified):
                                kv_unified=unified, flash_attn=flash_attn) for _ in range(2)]
     fast, general = contexts
     general.fast_token_decode = False
-    failing = [FailingRunner(ctx) for ctx in contexts]
+    failing = Failing(monkeypatch)
     counted = [Counted(ctx) for ctx in contexts]
     saved = [[], []]
     n_tokens = 0
@@ -126,7 +129,7 @@ def test_fast_lane_matches_the_general_path(model, seed, flash_attn, unified):
         results = []
         for k, ctx in enumerate(contexts):
             rng = random.Random(seed * 1000 + i)
-            results.append(step(ctx, rng, failing[k], saved[k]))
+            results.append(step(ctx, rng, failing, saved[k]))
         n_tokens += 1
         assert results[0] == results[1], f"step {i}"
         a, b = snapshot(fast), snapshot(general)
@@ -158,7 +161,7 @@ def test_fast_lane_crosses_n_kv_and_follows_a_new_graph(model):
     assert counted[1].n == 288
 
 
-def test_fast_lane_keeps_callbacks_and_interrupts(model):
+def test_fast_lane_keeps_callbacks_and_interrupts(model, monkeypatch):
     """An abort callback or eval callback sends the token down the general path (which calls it
     once); an exception out of the compute leaves the cell free and re-raises."""
     ctx = llamir.Context(model, n_ctx=40, n_batch=4, n_ubatch=4)
@@ -178,13 +181,14 @@ def test_fast_lane_keeps_callbacks_and_interrupts(model):
     assert counted.n == 4
     ctx.cb_eval = None
 
-    def interrupted(*args, **kwargs):
+    def interrupted(exe):
         raise KeyboardInterrupt
-    run, ctx.runner.run = ctx.runner.run, interrupted
+    run = CompiledSplit._run
+    monkeypatch.setattr(CompiledSplit, "_run", interrupted)
     cells = ctx.memory.v_cells[0].pos.copy()
     with pytest.raises(KeyboardInterrupt):
         ctx._decode(llamir.Batch.from_tokens([6], pos0=None))
-    ctx.runner.run = run
+    monkeypatch.setattr(CompiledSplit, "_run", run)
     assert np.array_equal(ctx.memory.v_cells[0].pos, cells) and ctx.memory.seq_pos_max(0) == 4
     assert ctx.decode(llamir.Batch.from_tokens([6], pos0=None)) == 0 and ctx.memory.seq_pos_max(0) == 5
     assert counted.n == 4

@@ -103,6 +103,10 @@ class CompiledSplit:
         self._arena_sizes: dict[tuple, int] = {}
         self._shapes: dict[tuple, _Shapes] = {}   # by dims key, like the arena sizes
         self._dims_key: tuple = ()
+        self._bindings: Mapping[str, int] = {}
+        # changes whenever a call binds other arrays or dims into the frame (see call_bound)
+        self.binding = 0
+        self._in_place = False
         self.pool = pool
         self._packed = {}    # leaf name -> [(slot, format)]
         for name, buf in plan.packed.items():
@@ -134,10 +138,24 @@ class CompiledSplit:
             return self._debug.run_observed(leaf_values, bindings, observe)
         with self.pool.lock:
             keep = self._bind(leaf_values, bindings)
+            self._bindings = bindings
             outputs = self._bind_outputs()
             self._run()
         for name, ref in self.plan.leaf_views.items():
             outputs[name] = self._view_of(ref, self._bound(ref.buf.name, keep), bindings)
+        return outputs
+
+    def call_bound(self, binding: int) -> dict[str, np.ndarray] | None:
+        """Run again on what the last call bound: the same arrays, refilled in place, at the same
+        dims, without checking them again. `binding` is the `binding` read after that call; if
+        anything was bound since, nothing runs and None says to make a full call."""
+        with self.pool.lock:
+            if binding != self.binding or not self._in_place:
+                return None
+            outputs = self._bind_outputs()
+            self._run()
+        for name, ref in self.plan.leaf_views.items():
+            outputs[name] = self._view_of(ref, self._bound(ref.buf.name, self._keep), self._bindings)
         return outputs
 
     def _view_of(self, ref: Ref, owner: np.ndarray, bindings) -> np.ndarray:
@@ -156,6 +174,7 @@ class CompiledSplit:
         except KeyError as err:
             raise BackendError(f"dim {err.args[0]!r} has no value (bound: {dict(bindings)})") from None
         if key != self._dims_key:   # the frame holds the last call's dims otherwise
+            self.binding += 1
             for (name, slot), value in zip(self._dims, key):
                 if value < 0:
                     raise BackendError(f"dim {name} = {value} is negative")
@@ -172,6 +191,7 @@ class CompiledSplit:
         except KeyError as err:
             raise BackendError(f"no value for leaf {err.args[0]!r}") from None
         if not all(map(operator.is_, fixed, self._fixed_last)):
+            self.binding += 1
             for spec, arr in zip(self._fixed, fixed, strict=True):
                 if arr is not spec.last:
                     spec.bound = self._check_leaf(spec, arr, spec.shape)   # kept: it may be a copy
@@ -184,6 +204,7 @@ class CompiledSplit:
         if (all(map(operator.is_, inputs, self._inputs_bound))
                 and list(map(_shape_of, inputs)) == shapes.inputs):
             return self._keep
+        self.binding += 1
         keep = {}
         for spec, want in zip(self._inputs, shapes.inputs):
             try:
@@ -196,6 +217,8 @@ class CompiledSplit:
             keep[spec.name] = arr
         self._inputs_bound = [spec.bound for spec in self._inputs]
         self._keep = keep
+        # an input bound as a contiguous copy does not see its array refilled in place
+        self._in_place = all(keep[spec.name] is leaf_values[spec.name] for spec in self._inputs)
         return keep
 
     def _bound(self, name: str, keep: dict) -> np.ndarray:
