@@ -1,8 +1,8 @@
 """The legacy quantized matmuls (q4_0, q4_1, q5_0, q5_1, q8_0) on 256-bit targets against the numpy
 reference, bit for bit: AVX2 only (vpmaddubsw + vpmaddwd, Zen 3) and AVX2 + AVX-VNNI (vpdpbusd on
 ymm), in both numerics profiles: packed weights, quantized KV caches (MatMulQDirect) and experts.
-Corner bytes included: q8_0 weights of -128 (the one value the sign trick cannot take) and NaN
-activations (which quantize to -128)."""
+Corner bytes included: q8_0 weights of -128 (the one value vpmaddubsw's sign trick cannot take) and
+NaN activations (which quantize to -128)."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_nan_and_inf_activations(rng, isa, name):
 @pytest.mark.parametrize("isa", ["avx2", "avxvnni"])
 def test_q8_0_weights_of_minus_128(rng, isa):
     """-128 weight bytes (never made by ggml's quantizer, legal in a file) against negative
-    activations: the sign trick would give +128 * x there, the flagged blocks take int32 products."""
+    activations: the sign trick would give +128 * x there (the int16 products take every byte)."""
     w = weight(rng, "q8_0", 48, 256)
     blocks = w.reshape(48, -1, 34)
     blocks[5, 2, 2 + 7] = 0x80
@@ -112,21 +112,40 @@ def test_q8_0_weights_of_minus_128(rng, isa):
     check_rows("avx2", isa, weight_graph("q8_0", 48, 256), w, 256, rng, negative)
 
 
-def test_signed_q8_0_layout_flags_minus_128(rng):
-    """The AVX2 q8_0 layout keeps the bytes and flags exactly the groups holding a -128."""
-    from llamir.backends.llvm.kernels.repack import Q8_0_SIGNED, G, repack
+def test_q8_0_pairs_layout(rng):
+    """The AVX2 q8_0 layout: per (group, block, chunk, half of 8 rows), the rows' values 0 and 1,
+    then their values 2 and 3, as signed bytes; then the 16 rows' f16 scales (zero rows past M)."""
+    from llamir.backends.llvm.kernels.repack import Q8_0_PAIRS, G, repack
 
-    w = weight(rng, "q8_0", 40, 256)
-    blocks = w.reshape(40, -1, 34)
-    for r, blk in ((3, 1), (20, 1), (39, 6)):      # one -128 in each group of 16 rows
-        blocks[r, blk, 2 + r % 32] = 0x80
-    packed = repack(w, Q8_0_SIGNED)
-    at = Q8_0_SIGNED.quant_bytes + Q8_0_SIGNED.scale_bytes
-    flags = packed[:, :, at:at + 4].copy().view(np.int32)[..., 0]
-    values = np.concatenate([blocks[..., 2:], np.zeros((48 - 40,) + blocks.shape[1:2] + (32,), np.uint8)])
-    want = (values.reshape(-1, G, blocks.shape[1], 32) == 0x80).any(axis=(1, 2, 3))       # per group
-    assert np.array_equal(flags != 0, np.repeat(want[:, None], blocks.shape[1], axis=1))
-    assert want.tolist() == [True, True, True]
+    m, k = 40, 256
+    w = weight(rng, "q8_0", m, k)
+    blocks = w.reshape(m, -1, 34)
+    blocks[3, 1, 2 + 5] = 0x80
+    packed = repack(w, Q8_0_PAIRS)
+    assert packed.shape == (3, k // 32, 16 * 32 + 2 * G)
+    for g, blk, c, h, pair, r, v in [(0, 0, 0, 0, 0, 0, 0), (0, 1, 1, 0, 0, 3, 1), (1, 3, 7, 1, 1, 7, 1),
+                                     (2, 7, 4, 0, 1, 5, 0), (2, 2, 2, 1, 0, 1, 1), (1, 5, 3, 1, 1, 0, 0)]:
+        row, value = 16 * g + 8 * h + r, 4 * c + 2 * pair + v
+        want = blocks[row, blk, 2 + value] if row < m else 0
+        assert packed[g, blk, 64 * c + 32 * h + 16 * pair + 2 * r + v] == want, (g, blk, c, h, pair, r, v)
+    assert packed[0, 1, 64 * 1 + 2 * 3 + 1] == 0x80        # row 3, value 5: chunk 1, pair 0, second value
+    for g, blk, r in [(0, 0, 0), (1, 4, 15), (2, 6, 7), (2, 6, 8)]:
+        row = 16 * g + r
+        want = blocks[row, blk, 0:2] if row < m else [0, 0]
+        assert list(packed[g, blk, 512 + 2 * r:512 + 2 * r + 2]) == list(want), (g, blk, r)
+
+
+@pytest.mark.parametrize("profile", ["avx512", "avx2"])
+def test_q8_0_long_rows_and_many_groups(rng, profile):
+    """Rows of K longer than one pass's block of K (and not a multiple of it), more weight groups than
+    share one widening of the activations, every tile remainder: same bits as the reference."""
+    from llamir.backends.llvm.kernels.matmul_quant import PAIRS_GROUP_BYTES, PAIRS_K_BLOCKS
+    from llamir.backends.llvm.kernels.repack import Q8_0_PAIRS
+
+    k = 32 * (PAIRS_K_BLOCKS + 13)
+    per_block = PAIRS_GROUP_BYTES // ((k // 32) * Q8_0_PAIRS.block_bytes)
+    m = 16 * (2 * per_block + 3) + 8
+    check_rows(profile, "avx2", weight_graph("q8_0", m, k), weight(rng, "q8_0", m, k), k, rng)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avxvnni"])

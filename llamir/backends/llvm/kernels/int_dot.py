@@ -4,7 +4,7 @@ Each int32 lane l of a result is sum_{t<4} a[4l+t] * b[4l+t] (a unsigned bytes, 
 lanes of vpdpbusd. With AVX-VNNI (or AVX512-VNNI+VL) that is one vpdpbusd; on plain AVX2 it is
 vpmaddubsw (pairs into saturating int16) + vpmaddwd with ones. The AVX2 form is exact only while
 each pair |a0*b0 + a1*b1| <= 32767, which every caller here guarantees (a <= 31 for the 4- and
-5-bit types, or |w| against a sign-moved activation, see chunk_dot_signed).
+5-bit types). Signed bytes on both sides (Q8_0 without VNNI) take vpmaddwd on int16 (madd16).
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ def maddubs(em: Emitter, a_u8, b_s8):
 def madd_pairs(em: Emitter, p16):
     """vpmaddwd with ones: int32 lane l = p[2l] + p[2l+1]."""
     return em.intrinsic("llvm.x86.avx2.pmadd.wd", V8I32, [p16, ir.Constant(V16I16, [1] * 16)])
-
-
-def sign_of(em: Emitter, a_s8, b_s8):
-    """vpsignb: a negated where b < 0, zero where b == 0."""
-    return em.intrinsic("llvm.x86.avx2.psign.b", V32I8, [a_s8, b_s8])
 
 
 def dot4(em: Emitter, acc, a_u8, b_s8):
@@ -58,22 +53,14 @@ def dot4_chunks(em: Emitter, accs: list, chunks: list, x_at) -> list:
     return [madd_pairs(em, s) if _is_zero(acc) else b.add(acc, madd_pairs(em, s)) for acc, s in zip(accs, sums)]
 
 
-def chunk_dot_signed(em: Emitter, w_s8, x_s8, x_abs):
-    """The 4-value lanes of signed w . signed x on AVX2: vpmaddubsw(|x|, sign(w, x)). Exact except
-    for w = -128 against x < 0 (sign(w) cannot hold +128): callers route such blocks elsewhere."""
-    return madd_pairs(em, maddubs(em, x_abs, sign_of(em, w_s8, x_s8)))
+def madd16(em: Emitter, a16, b16):
+    """vpmaddwd: int32 lane l = a[2l]*b[2l] + a[2l+1]*b[2l+1] (exact for int16 values from bytes)."""
+    return em.intrinsic("llvm.x86.avx2.pmadd.wd", V8I32, [a16, b16])
 
 
-def chunk_dot_wide(em: Emitter, w_s8, x_s8):
-    """The 4-value lanes of signed w . signed x through int32 products: exact for every byte."""
-    b = em.b
-    wide = vec(I32, 32)
-    prod = b.mul(b.sext(w_s8, wide), b.sext(x_s8, wide))
-    total = None
-    for t in range(4):
-        part = em.shuffle(prod, None, range(t, 32, 4))
-        total = part if total is None else b.add(total, part)
-    return total
+def bcast_pair(em: Emitter, ptr, off):
+    """The two int16 at ptr + off repeated over 16 lanes (one vpbroadcastd from memory)."""
+    return em.b.bitcast(em.splat(em.load(I32, ptr, off), 8, I32), V16I16)
 
 
 def bcast4(em: Emitter, ptr, off):

@@ -13,10 +13,11 @@ vpmaddubsw + vpmaddwd, or AVX-VNNI's vpdpbusd), with tiles sized for 16 ymm regi
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F16, F32, I8, I16, I32, Emitter, vec
+from llamir.backends.llvm.emit import F16, F32, I8, I16, I32, PTR, Emitter, vec
 from llamir.backends.llvm.kernels import int_dot
 from llamir.backends.llvm.kernels.quant_act import act_layout
 from llamir.backends.llvm.kernels.repack import G, QFormat
@@ -57,9 +58,12 @@ class MatMulQ(Kernel):
         N, M = a.ints
         y_ptr, w_ptr, x_ptr = a.ptrs
         nb, _, _, _, row_bytes = act_layout(self.fmt, self.K)
+        wide = em.target.vnni512
+        if not wide and self.fmt.packing == "pairs":
+            emit_pairs(self.fmt, self.K, em, a)
+            return
         groups = em.cdiv(M, G)
         g0, g1 = em.split(groups, a.ith, a.nth)
-        wide = em.target.vnni512
         rn = self.rn if wide else tile_tokens_256(self.fmt)
         tile = self._tile if wide else functools.partial(tile_256, self.fmt, self.K)
         n_block = max(rn, (L2_BUDGET // row_bytes) // rn * rn)
@@ -173,18 +177,8 @@ def tile_256(fmt: QFormat, K: int, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int
     else:
         # 8 accumulators a (half, token): one half at a time (both in one pass spill 16 accumulators:
         # q8_0 N=128 10-20% slower, a single token ~5% faster)
-        passes = [(0,), (1,)]
-        if fmt.corr != "abs":
-            for halves in passes:
-                _lanes8_256(fmt, K, em, wg, rows, out, nb, halves)
-            return
-        # signed Q8_0: a group flagged for a -128 weight takes int32 products
-        flagged = em.b.icmp_signed("!=", em.load(I32, wg, fmt.quant_bytes + fmt.scale_bytes), ir.Constant(I32, 0))
-        with em.if_else(flagged) as (then, otherwise):
-            for branch, wide in ((then, True), (otherwise, False)):
-                with branch:
-                    for halves in passes:
-                        _lanes8_256(fmt, K, em, wg, rows, out, nb, halves, wide)
+        for halves in [(0,), (1,)]:
+            _lanes8_256(fmt, K, em, wg, rows, out, nb, halves)
 
 
 class _Out256:
@@ -250,7 +244,7 @@ def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Ou
 
 
 def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256, nb: int,
-                halves: tuple[int, ...], wide: bool = False) -> None:
+                halves: tuple[int, ...]) -> None:
     """`halves` over K in vec_dot's lanes8 order: 8 accumulators per (half, token), one per chunk."""
     b = em.b
     _, off_d, off_aux, off_corr, _ = act_layout(fmt, K)
@@ -272,18 +266,14 @@ def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256,
                     acc = accs[h, j][c]
                     em.set(acc, em.fma(scale, b.sitofp(chunk_dot(j, xr, c), vf), em.get(acc)))
 
-            if fmt.corr == "abs":
-                for j, xr in enumerate(rows):
-                    lanes(j, xr, _signed_dot(em, fmt, wb, h, k, off_corr, wide))
-            else:
-                chunks = _half_chunks(em, fmt, wb, h)
-                for j, xr in enumerate(rows):
-                    def dot(j, xr, c, chunks=chunks):
-                        init = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(em.add(em.mul(k, fmt.chunks), c), 4))),
-                                        H, I32) if fmt.corr == "chunk" else izero
-                        x = int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c)
-                        return int_dot.dot4(em, init, chunks[c], x)
-                    lanes(j, xr, dot)
+            chunks = _half_chunks(em, fmt, wb, h)
+            for j, xr in enumerate(rows):
+                def dot(j, xr, c, chunks=chunks):
+                    init = em.splat(em.load(I32, xr, em.add(off_corr, em.mul(em.add(em.mul(k, fmt.chunks), c), 4))),
+                                    H, I32) if fmt.corr == "chunk" else izero
+                    x = int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c)
+                    return int_dot.dot4(em, init, chunks[c], x)
+                lanes(j, xr, dot)
             if fmt.min:
                 wm = _half_f16(em, wb, fmt.quant_bytes + fmt.scale_bytes, h)
                 for j, xr in enumerate(rows):
@@ -298,18 +288,141 @@ def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256,
         out.store(h, j, total)
 
 
-def _signed_dot(em: Emitter, fmt: QFormat, wb, h: int, k, off_abs: int, wide: bool):
-    """chunk_dot(j, xr, c) for signed Q8_0 chunks: the sign trick against |x| from the activation
-    row, or int32 products (`wide`, for a group holding a -128 weight). Chunks are loaded where
-    they are used: 8 accumulators already take half the registers."""
-    def dot(j, xr, c):
-        w = em.load(int_dot.V32I8, wb, 64 * c + 32 * h)
-        x = int_dot.bcast4(em, em.gep(xr, em.mul(k, fmt.bs)), 4 * c)
-        if wide:
-            return int_dot.chunk_dot_wide(em, w, x)
-        x_abs = int_dot.bcast4(em, em.gep(xr, em.add(off_abs, em.mul(k, 32))), 4 * c)
-        return int_dot.chunk_dot_signed(em, w, x, x_abs)
-    return dot
+# -- signed Q8_0 without VNNI: vpmaddwd on int16 pairs ------------------------------------------------
+PAIRS_TOKENS = 4                 # tokens per tile
+PAIRS_K_BLOCKS = 32              # blocks of K per pass: a pass's weights, activations and scales stay in L1
+PAIRS_GROUP_BYTES = 1 << 18      # weights of the groups that share one widening of a tile's activations
+LANES8_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
+
+
+def pairs_passes(r: int) -> tuple:
+    """Chunks per pass over K for a tile of r tokens: at most 8 accumulators in registers."""
+    per = max(1, 8 // r) if r <= 2 else 2
+    return tuple(LANES8_ORDER[i:i + per] for i in range(0, 8, per))
+
+
+def emit_pairs(fmt: QFormat, K: int, em: Emitter, a) -> None:
+    """Q8_0 x Q8_0 in vec_dot's lanes8 order through int16 products, exact for every byte: a chunk
+    lane is vpmaddwd(w[0:2], x[0:2]) + vpmaddwd(w[2:4], x[2:4]). vpmaddubsw's sign trick costs a
+    vpsignb per (chunk, token) on the ports that also run the products, conversions and fmas; here
+    each chunk's weights are widened once for a tile of tokens (vpmovsxbw, another port) and the
+    tile's activations once for a block of groups (int16 rows on the stack)."""
+    N, M = a.ints
+    y_ptr, w_ptr, x_ptr = a.ptrs
+    nb, _, _, _, row_bytes = act_layout(fmt, K)
+    T = PAIRS_TOKENS
+    scratch = _PairsScratch(x16=_stack_array(em, ir.ArrayType(I16, T * K), "x16"),
+                            scales=_stack_array(em, ir.ArrayType(F32, T * PAIRS_K_BLOCKS * H), "scales"),
+                            accs=_stack_array(em, ir.ArrayType(F32, T * fmt.chunks * H), "accs"))
+    g0, g1 = em.split(em.cdiv(M, G), a.ith, a.nth)
+    n_block = max(T, (L2_BUDGET // row_bytes) // T * T)
+    per_block = max(1, PAIRS_GROUP_BYTES // (nb * fmt.block_bytes))
+    with em.loop(0, N, n_block, name="nb") as n0, em.loop(g0, g1, per_block, name="gblk") as gb:
+        n1 = em.min(em.add(n0, n_block), N)
+        gb1 = em.min(em.add(gb, per_block), g1)
+
+        def tile(nt, r: int) -> None:
+            rows = [em.gep(x_ptr, em.mul(em.add(nt, j), row_bytes)) for j in range(r)]
+            for j, xr in enumerate(rows):
+                with em.loop(0, K, 16, name="widen") as i:
+                    em.store(em.b.sext(em.load(vec(I8, 16), xr, i), vec(I16, 16)), scratch.x16,
+                             em.add(2 * K * j, em.mul(i, 2)))
+            with em.loop(gb, gb1, name="grp") as g:
+                wg = em.gep(w_ptr, em.mul(g, nb * fmt.block_bytes))
+                out = _Out256(em, y_ptr, g, nt, M, em.min(em.sub(M, em.mul(g, G)), G))
+                for h in (0, 1):
+                    _PairsHalf(fmt, K, em, rows, scratch, wg, h).run(out)
+
+        em.tiles(n0, n1, T, tile, name="nt")
+
+
+@dataclass(frozen=True)
+class _PairsScratch:
+    x16: ir.Value        # [T, K] int16: the tile's activations
+    scales: ir.Value     # [T, PAIRS_K_BLOCKS] x 8 f32: d_x * d_w of the half's rows, per block
+    accs: ir.Value       # [T, C] x 8 f32: the chunk accumulators between blocks of K
+
+
+def _stack_array(em: Emitter, ty: ir.ArrayType, name: str):
+    """An entry-block array seen as an untyped pointer, for em.load/em.store of any element type."""
+    slot = em.var(ty, name=name)
+    slot.type = PTR          # llvmlite's typed alloca would refuse vector stores through a byte gep
+    slot.align = 32
+    return slot
+
+
+class _PairsHalf:
+    """Half h (8 rows) of one group against the tile's tokens: over blocks of K, the chunk
+    accumulators of each token in passes of a few chunks (all in registers), the block scales
+    d_x * d_w stored once for all passes of a block of K."""
+
+    def __init__(self, fmt: QFormat, K: int, em: Emitter, rows: list, scratch: _PairsScratch, wg, h: int):
+        self.fmt, self.K, self.em, self.rows, self.s, self.wg, self.h = fmt, K, em, rows, scratch, wg, h
+        self.nb, self.off_d = K // fmt.bs, act_layout(fmt, K)[1]
+        self.vf = vec(F32, H)
+        self.passes = pairs_passes(len(rows))
+
+    def run(self, out: _Out256) -> None:
+        em, b, fmt = self.em, self.em.b, self.fmt
+        zero = ir.Constant(self.vf, [0.0] * H)
+        for j in range(len(self.rows)):
+            for c in range(fmt.chunks):
+                em.store(zero, self.s.accs, self._acc_at(j, c))
+        if self.nb <= PAIRS_K_BLOCKS:
+            self._k_block(0, self.nb)
+        else:
+            with em.loop(0, self.nb, PAIRS_K_BLOCKS, name="kblk") as k0:
+                self._k_block(k0, em.min(em.add(k0, PAIRS_K_BLOCKS), self.nb))
+        for j in range(len(self.rows)):
+            a_ = [em.load(self.vf, self.s.accs, self._acc_at(j, c)) for c in range(fmt.chunks)]
+            out.store(self.h, j, b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
+                                        b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7]))))
+
+    def _acc_at(self, j: int, c: int) -> int:
+        return (j * self.fmt.chunks + c) * 4 * H
+
+    def _scale(self, j: int, k, ws):
+        em = self.em
+        return em.b.fmul(em.splat(em.load(F32, self.rows[j], em.add(self.off_d, em.mul(k, 4))), H), ws)
+
+    def _ws(self, k):
+        em = self.em
+        return _half_f16(em, em.gep(self.wg, em.mul(k, self.fmt.block_bytes)), self.fmt.quant_bytes, self.h)
+
+    def _k_block(self, k0, k1) -> None:
+        em = self.em
+        if len(self.passes) > 1:
+            with em.loop(k0, k1, name="scale") as k:
+                ws = self._ws(k)
+                for j in range(len(self.rows)):
+                    em.store(self._scale(j, k, ws), self.s.scales, self._scale_at(j, em.sub(k, k0)))
+        for chunks in self.passes:
+            self._pass(k0, k1, chunks)
+
+    def _scale_at(self, j: int, dk):
+        return self.em.mul(self.em.add(j * PAIRS_K_BLOCKS, dk), 4 * H)
+
+    def _pass(self, k0, k1, chunks: tuple) -> None:
+        em, b, fmt, h = self.em, self.em.b, self.fmt, self.h
+        n = len(self.rows)
+        accs = {(j, c): em.var(self.vf, em.load(self.vf, self.s.accs, self._acc_at(j, c)))
+                for j in range(n) for c in chunks}
+        with em.loop(k0, k1, name="blk") as k:
+            wb = em.gep(self.wg, em.mul(k, fmt.block_bytes))
+            if len(self.passes) > 1:
+                scale = [em.load(self.vf, self.s.scales, self._scale_at(j, em.sub(k, k0))) for j in range(n)]
+            else:
+                ws = self._ws(k)
+                scale = [self._scale(j, k, ws) for j in range(n)]
+            for c in chunks:
+                w01, w23 = (b.sext(em.load(vec(I8, 16), wb, 64 * c + 32 * h + 16 * p), vec(I16, 16)) for p in (0, 1))
+                for j in range(n):
+                    at = em.add(2 * self.K * j, em.mul(k, 2 * fmt.bs))
+                    p = b.add(int_dot.madd16(em, w01, int_dot.bcast_pair(em, self.s.x16, em.add(at, 8 * c))),
+                              int_dot.madd16(em, w23, int_dot.bcast_pair(em, self.s.x16, em.add(at, 8 * c + 4))))
+                    em.set(accs[j, c], em.fma(scale[j], b.sitofp(p, self.vf), em.get(accs[j, c])))
+        for (j, c), acc in accs.items():
+            em.store(em.get(acc), self.s.accs, self._acc_at(j, c))
 
 
 # -- quantized operands that are not packed weights (KV cache views, batched tensors) ------------------

@@ -7,8 +7,9 @@ A weight [M, K] of a GGUF block type becomes groups of 16 rows (M padded with ze
 row scales and, for affine types, the 16 mins. 4-bit values are packed two chunks per vector
 (chunk v in the low nibbles, chunk v + C/2 in the high ones); others take a byte each, made
 unsigned with a fixed offset that the activation side corrects for. Without VNNI, Q8_0 keeps its
-signed bytes (vpmaddubsw would saturate on offset ones) and each (group, block) ends with an int32
-flag set when a value of the group is -128, the one byte the sign trick cannot take exactly.
+signed bytes for vpmaddwd on int16 ("pairs": vpmaddubsw would saturate on offset bytes): each
+half-chunk (8 rows x 4 values) holds the rows' values 0, 1, then their values 2, 3, so that one
+vpmovsxbw of each 16 bytes gives the operands of two vpmaddwd against broadcast activation pairs.
 
 The arithmetic the kernel does per block (see QFormat.order) follows the reference:
 - "block": one integer sum per (row, block), acc = fma(isum, d_w*d_x, acc)  (Q4_0 repacked
@@ -32,12 +33,11 @@ G = 16   # rows per group: one 16-lane vector of outputs
 class QFormat:
     dtype: str          # the GGUF type repacked
     bs: int             # elements per block (a K-quant's sub-block)
-    packing: str        # "nib" | "byte"
+    packing: str        # "nib" | "byte" | "pairs" (bytes, each half-chunk ordered by value pair)
     scale: str          # "f16" | "f32"
     min: str            # "" | "f16" | "f32": added term min_w * aux_x per block
     order: str          # "block" | "lanes8"
-    corr: str           # "" | "chunk" | "block": integer correction -offset * sum(x) per chunk/block;
-                        # "abs": signed weights, the activation row carries |q| (vpmaddubsw's sign trick)
+    corr: str           # "" | "chunk" | "block": integer correction -offset * sum(x) per chunk/block
     offset: int         # the value offset the correction undoes
     vdt: str            # activation type: "q8_0" | "q8_1" | "q8_k"
 
@@ -58,25 +58,20 @@ class QFormat:
         return 0 if not self.min else G * (2 if self.min == "f16" else 4)
 
     @property
-    def flag_bytes(self) -> int:
-        """The int32 "a value of this group is -128" flag of a signed layout."""
-        return 4 if self.corr == "abs" else 0
-
-    @property
     def block_bytes(self) -> int:
         """Bytes of one (group, block)."""
-        return self.quant_bytes + self.scale_bytes + self.min_bytes + self.flag_bytes
+        return self.quant_bytes + self.scale_bytes + self.min_bytes
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}:{self.order}" + (":signed" if self.corr == "abs" else "")
+        return f"{self.dtype}:{self.order}" + (":pairs" if self.packing == "pairs" else "")
 
 
 def weight_format(dtype: str, m_rows: int, vnni: bool = True) -> QFormat | None:
     """The packed format of a weight type (None: not supported by the packed kernels); `vnni`:
-    whether the kernels get vpdpbusd (else Q8_0 stays signed for vpmaddubsw)."""
+    whether the kernels get vpdpbusd (else Q8_0 stays signed, for vpmaddwd)."""
     if dtype == "q8_0" and not vnni:
-        return Q8_0_SIGNED
+        return Q8_0_PAIRS
     if dtype == "q4_0":
         if m_rows % 8 == 0:   # ggml repacks Q4_0 (q4_0_8x8): one integer sum per block
             return QFormat("q4_0", 32, "nib", "f16", "", "block", "block", 8, "q8_0")
@@ -90,7 +85,7 @@ _FORMATS = {
     "q5_0": QFormat("q5_0", 32, "byte", "f16", "", "lanes8", "chunk", 16, "q8_0"),
     "q5_1": QFormat("q5_1", 32, "byte", "f16", "f16", "lanes8", "", 0, "q8_1"),
 }
-Q8_0_SIGNED = QFormat("q8_0", 32, "byte", "f16", "", "lanes8", "abs", 0, "q8_0")
+Q8_0_PAIRS = QFormat("q8_0", 32, "pairs", "f16", "", "lanes8", "", 0, "q8_0")
 
 
 # -- integer values, scales and mins of each type ([M, nb, bs] uint8, [M, nb], [M, nb]) ------------
@@ -147,9 +142,8 @@ def repack(raw: np.ndarray, fmt) -> np.ndarray:
         scale = np.concatenate([scale, np.zeros((pad, nb), scale.dtype)])
         mins = None if mins is None else np.concatenate([mins, np.zeros((pad, nb), mins.dtype)])
     q = q.reshape(groups, G, nb, fmt.chunks, 4).transpose(0, 2, 3, 1, 4)       # [g, nb, C, 16, 4]
-    flags = None
-    if fmt.flag_bytes:           # each block of a group holding a -128 says so (the kernel reads block 0's)
-        flags = np.repeat((q == 0x80).any(axis=(1, 2, 3, 4)).astype(np.int32)[:, None], nb, axis=1)
+    if fmt.packing == "pairs":   # [g, nb, C, half, pair, 8 rows, 2]
+        q = q.reshape(groups, nb, fmt.chunks, 2, 8, 2, 2).transpose(0, 1, 2, 3, 5, 4, 6)
     if fmt.packing == "nib":
         half = fmt.chunks // 2
         q = q[:, :, :half] | (q[:, :, half:] << 4)
@@ -160,8 +154,6 @@ def repack(raw: np.ndarray, fmt) -> np.ndarray:
         arr = arr.reshape(groups, G, nb).transpose(0, 2, 1)
         arr = arr.astype(np.uint16) if kind == "f16" and arr.dtype == np.uint16 else arr.astype(np.float32)
         parts.append(np.ascontiguousarray(arr).view(np.uint8).reshape(groups, nb, -1))
-    if flags is not None:
-        parts.append(flags.view(np.uint8).reshape(groups, nb, 4))
     out = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     assert out.shape[-1] == fmt.block_bytes, (out.shape, fmt)
     return out
