@@ -202,40 +202,57 @@ def _ok(ctx, batch) -> None:
 
 def _token_breakdown(ctx, be, gen: list[int]) -> dict:
     """Where one generated token's time goes: native compute (kernels + barriers, seen from thread
-    0), the executable's Python binding, and the context's Python work around it."""
-    from llamir.backends.llvm import executable as X
+    0), the executable's Python (binding, outputs) and the context's Python around it; through
+    the token lane (what decode takes for a generated token) and through the general path."""
+    from llamir.backends.llvm.executable import CompiledSplit
 
     if not hasattr(be, "compile_stats"):
         return {}
     import llamir
 
     spent = {"call": 0.0}
-    orig = X.CompiledSplit.__call__
     captured = {}
+    full_call, bound_call = CompiledSplit.__call__, CompiledSplit.call_bound
 
     def call(self, leaf_values, bindings, observe=None):
         t0 = time.perf_counter()
-        out = orig(self, leaf_values, bindings, observe)
+        out = full_call(self, leaf_values, bindings, observe)
         spent["call"] += time.perf_counter() - t0
         captured["args"] = (self, leaf_values, bindings)
         return out
 
-    X.CompiledSplit.__call__ = call
-    try:
+    def call_bound(self, binding):
+        t0 = time.perf_counter()
+        out = bound_call(self, binding)
+        spent["call"] += time.perf_counter() - t0
+        return out
+
+    def per_token(lane: bool) -> tuple[float, float]:
+        """Seconds per token, and of them in the executable's call."""
+        ctx.fast_token_decode = lane
         ctx.memory.seq_rm(-1, -1, -1)
+        _ok(ctx, llamir.Batch.from_tokens([gen[0]], pos0=0))     # arms the lane
+        ctx.memory.seq_rm(-1, -1, -1)
+        spent["call"] = 0.0
         n = min(len(gen), 32)
         t0 = time.perf_counter()
         for pos in range(n):
             _ok(ctx, llamir.Batch.from_tokens([gen[pos]], pos0=pos))
-        total = (time.perf_counter() - t0) / n
+        return (time.perf_counter() - t0) / n, spent["call"] / n
+
+    CompiledSplit.__call__, CompiledSplit.call_bound = call, call_bound
+    try:
+        general, general_call = per_token(False)
+        total, call_s = per_token(True)
     finally:
-        X.CompiledSplit.__call__ = orig
+        CompiledSplit.__call__, CompiledSplit.call_bound = full_call, bound_call
+        ctx.fast_token_decode = True
     exe, leaves, bindings = captured["args"]
     prof = exe.profile(dict(leaves), dict(bindings), runs=10)
-    call = spent["call"] / n
-    return {"token_ms": total * 1e3, "executable_call_ms": call * 1e3, "native_ms": prof.total * 1e3,
-            "barrier_ms": prof.barriers * 1e3, "python_in_executable_ms": max(0.0, call - prof.total) * 1e3,
-            "python_in_context_ms": max(0.0, total - call) * 1e3,
+    return {"token_ms": total * 1e3, "executable_call_ms": call_s * 1e3, "native_ms": prof.total * 1e3,
+            "barrier_ms": prof.barriers * 1e3, "python_in_executable_ms": max(0.0, call_s - prof.total) * 1e3,
+            "python_in_context_ms": max(0.0, total - call_s) * 1e3, "token_general_ms": general * 1e3,
+            "python_in_context_general_ms": max(0.0, general - general_call) * 1e3,
             "kernels_ms": {k: v * 1e3 for k, v in prof.by_kernel().items()}}
 
 
@@ -378,7 +395,7 @@ def cmd_bench(args) -> int:
         print(f"  pp{result.pp_tokens:<5d} {result.pp_tps:10.1f} tok/s")
     if result.tg_tokens:
         print(f"  tg{result.tg_tokens:<5d} {result.tg_tps:10.1f} tok/s")
-    for key in ("token_ms", "native_ms", "python_in_executable_ms", "python_in_context_ms"):
+    for key in ("token_ms", "native_ms", "python_in_executable_ms", "python_in_context_ms", "token_general_ms"):
         if key in result.extra:
             print(f"  {key:24s} {result.extra[key]:8.3f}")
     return 0

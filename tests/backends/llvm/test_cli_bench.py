@@ -22,6 +22,8 @@ def test_bench_json(tiny, capsys, monkeypatch, tmp_path):
     assert out["engine"] == "llamir-llvm" and out["pp_tokens"] == 8 and out["tg_tokens"] == 4
     assert out["pp_tps"] > 0 and out["tg_tps"] > 0 and len(out["tg_token_ms"]) == 4
     assert out["extra"]["native_ms"] > 0 and out["extra"]["compile"]
+    # a generated token through the token lane and through the general path
+    assert out["extra"]["token_ms"] > 0 and out["extra"]["token_general_ms"] > 0
 
 
 def test_bench_table_and_skipping_a_phase(tiny, capsys, monkeypatch, tmp_path):
