@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F16, F32, I8, I16, I32, PTR, Emitter, vec
+from llamir.backends.llvm.emit import F16, F32, I8, I16, I32, I64, PTR, Emitter, vec
 from llamir.backends.llvm.kernels import int_dot
 from llamir.backends.llvm.kernels.quant_act import act_layout
 from llamir.backends.llvm.kernels.repack import G, QFormat
@@ -297,7 +297,7 @@ LANES8_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 def pairs_passes(r: int) -> tuple:
     """Chunks per pass over K for a tile of r tokens: at most 8 accumulators in registers."""
-    per = max(1, 8 // r) if r <= 2 else 2
+    per = max(1, 8 // r)
     return tuple(LANES8_ORDER[i:i + per] for i in range(0, 8, per))
 
 
@@ -385,35 +385,31 @@ class _PairsHalf:
         em = self.em
         return em.b.fmul(em.splat(em.load(F32, self.rows[j], em.add(self.off_d, em.mul(k, 4))), H), ws)
 
-    def _ws(self, k):
-        em = self.em
-        return _half_f16(em, em.gep(self.wg, em.mul(k, self.fmt.block_bytes)), self.fmt.quant_bytes, self.h)
-
     def _k_block(self, k0, k1) -> None:
-        em = self.em
-        if len(self.passes) > 1:
-            with em.loop(k0, k1, name="scale") as k:
-                ws = self._ws(k)
-                for j in range(len(self.rows)):
-                    em.store(self._scale(j, k, ws), self.s.scales, self._scale_at(j, em.sub(k, k0)))
-        for chunks in self.passes:
-            self._pass(k0, k1, chunks)
+        for i, chunks in enumerate(self.passes):
+            self._pass(k0, k1, chunks, first=i == 0)
 
     def _scale_at(self, j: int, dk):
         return self.em.mul(self.em.add(j * PAIRS_K_BLOCKS, dk), 4 * H)
 
-    def _pass(self, k0, k1, chunks: tuple) -> None:
+    def _pass(self, k0, k1, chunks: tuple, first: bool) -> None:
+        """The first pass computes the scales (and stores them for the others)."""
         em, b, fmt, h = self.em, self.em.b, self.fmt, self.h
         n = len(self.rows)
         accs = {(j, c): em.var(self.vf, em.load(self.vf, self.s.accs, self._acc_at(j, c)))
                 for j in range(n) for c in chunks}
+        w_at = em.var(I64, em.i64(em.mul(k0, fmt.block_bytes)))   # a pointer step, not k * 544 (an imul on port 1)
         with em.loop(k0, k1, name="blk") as k:
-            wb = em.gep(self.wg, em.mul(k, fmt.block_bytes))
-            if len(self.passes) > 1:
-                scale = [em.load(self.vf, self.s.scales, self._scale_at(j, em.sub(k, k0))) for j in range(n)]
-            else:
-                ws = self._ws(k)
+            wb = em.gep(self.wg, em.get(w_at))
+            em.set(w_at, em.b.add(em.get(w_at), em.i64(fmt.block_bytes)))
+            if first:
+                ws = _half_f16(em, wb, fmt.quant_bytes, h)
                 scale = [self._scale(j, k, ws) for j in range(n)]
+                if len(self.passes) > 1:
+                    for j in range(n):
+                        em.store(scale[j], self.s.scales, self._scale_at(j, em.sub(k, k0)))
+            else:
+                scale = [em.load(self.vf, self.s.scales, self._scale_at(j, em.sub(k, k0))) for j in range(n)]
             for c in chunks:
                 w01, w23 = (b.sext(em.load(vec(I8, 16), wb, 64 * c + 32 * h + 16 * p), vec(I16, 16)) for p in (0, 1))
                 for j in range(n):
