@@ -223,6 +223,16 @@ class Batch:
                     logits: str | Sequence[bool] = "last") -> Batch:
         """One sequence (or a token set shared by several) at consecutive positions from pos0
         (pos0=None: continue the memory). logits: "last", "all", "none" or one flag per token."""
+        if (type(tokens) is list and len(tokens) == 1 and type(tokens[0]) is int and type(seq_id) is int
+                and type(logits) is str and logits == "last" and (pos0 is None or type(pos0) is int)
+                and I32_MIN <= tokens[0] <= I32_MAX and I32_MIN <= seq_id <= I32_MAX
+                and (pos0 is None or I32_MIN <= pos0 <= I32_MAX)):
+            # a generated token, the common call: the same fields as below, in fewer steps
+            batch = cls.__new__(cls)
+            batch.tokens, batch.embd, batch.seq_ids = np.array(tokens, dtype=np.int64), None, [(seq_id,)]
+            batch.pos = None if pos0 is None else np.array([pos0], dtype=np.int64)
+            batch.logits = np.ones(1, dtype=bool)
+            return batch
         tokens = int_array("tokens", tokens)
         n = len(tokens)
         ids = (_int32_at("seq_id", 0, seq_id),) if is_integer(seq_id) else \

@@ -152,6 +152,27 @@ def test_from_tokens_fields_are_those_the_checks_give():
         Batch.from_tokens([5, 6, 7], logits=[True, False])
 
 
+@pytest.mark.parametrize("token, pos0, seq_id", [(5, 3, 0), (0, None, 2), (2**31 - 1, 0, 7), (9, -4, 1)])
+def test_one_token_from_tokens_equals_the_checked_fields(token, pos0, seq_id):
+    """from_tokens' one-token shortcut gives what the general construction (Batch(...)) gives."""
+    batch = Batch.from_tokens([token], pos0=pos0, seq_id=seq_id)
+    general = Batch(tokens=[token], pos=None if pos0 is None else [pos0], seq_ids=[seq_id], logits=[True])
+    for name in ("tokens", "pos", "logits"):
+        a, b = getattr(batch, name), getattr(general, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tolist() == b.tolist()), name
+    assert batch.seq_ids == general.seq_ids and batch.embd is None
+
+
+@pytest.mark.parametrize("kwargs, message", [({"tokens": [2**31]}, "out of range"),
+                                             ({"tokens": [True]}, "is not an integer"),
+                                             ({"tokens": [1], "seq_id": 2**31}, "out of range"),
+                                             ({"tokens": [1], "pos0": 2**31}, "out of the int32 range"),
+                                             ({"tokens": [1], "pos0": 1.5}, "is not an integer")])
+def test_one_token_from_tokens_still_refuses_bad_values(kwargs, message):
+    with pytest.raises(BatchError, match=message):
+        Batch.from_tokens(**kwargs)
+
+
 @pytest.mark.parametrize("value,message", [([1, True], r"tokens\[1\] = True is not an integer"),
                                            ([1, 2**31], r"tokens\[1\] = 2147483648 is out of range"),
                                            (np.array([1, 2**40]), r"tokens\[1\] = 1099511627776 is out of range")])
