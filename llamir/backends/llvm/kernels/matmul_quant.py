@@ -7,7 +7,8 @@ signed activations, 4 values per lane, lanes = rows) and the float accumulation 
 order. Weights are read once per n-block; token generation is one streaming pass.
 
 Without AVX512-VNNI the same layout is read as two 8-row halves in 256-bit vectors (int_dot.py:
-vpmaddubsw + vpmaddwd, or AVX-VNNI's vpdpbusd), with tiles sized for 16 ymm registers.
+vpmaddubsw + vpmaddwd, or AVX-VNNI's vpdpbusd), with tiles sized for 16 ymm registers; Q8_0
+without any VNNI (signed bytes on both sides) takes int16 products instead (emit_pairs).
 """
 
 from __future__ import annotations
@@ -292,13 +293,13 @@ def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256,
 PAIRS_TOKENS = 4                 # tokens per tile
 PAIRS_K_BLOCKS = 32              # blocks of K per pass: a pass's weights, activations and scales stay in L1
 PAIRS_GROUP_BYTES = 1 << 18      # weights of the groups that share one widening of a tile's activations
-LANES8_ORDER = (0, 4, 2, 6, 1, 5, 3, 7)
 
 
-def pairs_passes(r: int) -> tuple:
-    """Chunks per pass over K for a tile of r tokens: at most 8 accumulators in registers."""
+def pairs_passes(r: int, chunks: int = 8) -> tuple:
+    """Chunks per pass over K for a tile of r tokens: at most 8 accumulators in registers (the
+    chunks' accumulators are independent, so the passes' order leaves every float sum as it is)."""
     per = max(1, 8 // r)
-    return tuple(LANES8_ORDER[i:i + per] for i in range(0, 8, per))
+    return tuple(tuple(range(i, min(i + per, chunks))) for i in range(0, chunks, per))
 
 
 def emit_pairs(fmt: QFormat, K: int, em: Emitter, a) -> None:
