@@ -4,8 +4,9 @@
 
 Models: a ~5M and a ~110M random-weight llama (12 layers, n_embd 768, vocab 32000) in f32, f16,
 q8_0, q4_0, q4_k and q6_k, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1.
-Named in --models only: a 1.03B one of TinyLlama's shape (large-f16, large-q8_0, large-q4_0), whose
-weights no L3 here holds: its tg128 row is the memory-bound roofline test.
+Named in --models only: a 1.03B one of TinyLlama's shape (large-f16, large-q8_0, large-q4_0,
+large-q6_k; the q6_k one takes minutes to write), whose weights no L3 here holds: its tg128 row
+is the memory-bound roofline test.
 Each engine runs pp128, pp512 and tg128 with the same thread count, timed the same way (llamir.cli_bench:
 median of the prompt runs, generation rate from the median token). Also reported: the memory
 bandwidth measured here and the token-generation roofline it implies (weight bytes per token /
@@ -55,7 +56,7 @@ BIG = dict(n_layer=12, n_embd=768, n_head=12, n_head_kv=12, n_ff=2048, n_vocab=3
 # the token-generation roofline where memory bandwidth is the limit. Only when named in --models.
 LARGE = dict(n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632, n_vocab=32000, tied=True)
 DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k")
-LARGE_DTYPES = ("f16", "q8_0", "q4_0")
+LARGE_DTYPES = ("f16", "q8_0", "q4_0", "q6_k")
 TESTS = (("pp128", 128, 0), ("pp512", 512, 0), ("tg128", 0, 128))
 
 
