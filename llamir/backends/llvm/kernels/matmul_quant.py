@@ -365,15 +365,15 @@ class _PairsHalf:
 
     def run(self, out: _Out256) -> None:
         em, b, fmt = self.em, self.em.b, self.fmt
-        zero = ir.Constant(self.vf, [0.0] * H)
-        for j in range(len(self.rows)):
-            for c in range(fmt.chunks):
-                em.store(zero, self.s.accs, self._acc_at(j, c))
         if self.nb <= PAIRS_K_BLOCKS:
-            self._k_block(0, self.nb)
+            self._k_block(0, self.nb, resume=False)
         else:
+            zero = ir.Constant(self.vf, [0.0] * H)
+            for j in range(len(self.rows)):
+                for c in range(fmt.chunks):
+                    em.store(zero, self.s.accs, self._acc_at(j, c))
             with em.loop(0, self.nb, PAIRS_K_BLOCKS, name="kblk") as k0:
-                self._k_block(k0, em.min(em.add(k0, PAIRS_K_BLOCKS), self.nb))
+                self._k_block(k0, em.min(em.add(k0, PAIRS_K_BLOCKS), self.nb), resume=True)
         for j in range(len(self.rows)):
             a_ = [em.load(self.vf, self.s.accs, self._acc_at(j, c)) for c in range(fmt.chunks)]
             out.store(self.h, j, b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
@@ -386,18 +386,20 @@ class _PairsHalf:
         em = self.em
         return em.b.fmul(em.splat(em.load(F32, self.rows[j], em.add(self.off_d, em.mul(k, 4))), H), ws)
 
-    def _k_block(self, k0, k1) -> None:
+    def _k_block(self, k0, k1, resume: bool) -> None:
+        """Blocks [k0, k1) of K; `resume`: the accumulators start from those of the last blocks."""
         for i, chunks in enumerate(self.passes):
-            self._pass(k0, k1, chunks, first=i == 0)
+            self._pass(k0, k1, chunks, first=i == 0, resume=resume)
 
     def _scale_at(self, j: int, dk):
         return self.em.mul(self.em.add(j * PAIRS_K_BLOCKS, dk), 4 * H)
 
-    def _pass(self, k0, k1, chunks: tuple, first: bool) -> None:
+    def _pass(self, k0, k1, chunks: tuple, first: bool, resume: bool) -> None:
         """The first pass computes the scales (and stores them for the others)."""
         em, b, fmt, h = self.em, self.em.b, self.fmt, self.h
         n = len(self.rows)
-        accs = {(j, c): em.var(self.vf, em.load(self.vf, self.s.accs, self._acc_at(j, c)))
+        zero = ir.Constant(self.vf, [0.0] * H)
+        accs = {(j, c): em.var(self.vf, em.load(self.vf, self.s.accs, self._acc_at(j, c)) if resume else zero)
                 for j in range(n) for c in chunks}
         w_at = em.var(I64, em.i64(em.mul(k0, fmt.block_bytes)))   # a pointer step, not k * 544 (an imul on port 1)
         with em.loop(k0, k1, name="blk") as k:
