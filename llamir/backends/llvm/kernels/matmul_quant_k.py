@@ -22,7 +22,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 
 from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
-from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8, lane_fmas, lane_total, load_d
+from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8, lane_fmas, lane_total, load_chunks, load_d, unpack_group
 from llamir.backends.llvm.kernels.quant_act import KActLayout
 from llamir.backends.llvm.kernels.repack_k import G, KFormat
 from llamir.backends.llvm.plan import Kernel
@@ -71,7 +71,9 @@ class MatMulQK(Kernel):
         self.fmt = fmt
         self.K = K
         self.repacked = repacked          # the weight sits in ggml's CPU_REPACK (repack_x86)
-        self.n_ptrs = 3
+        # per-thread bytes for a group's values unpacked once for the prompt modes (unpack_group)
+        self.scratch_bytes = 0 if fmt.dtype == "q4_k" else G * K
+        self.n_ptrs = 4 if self.scratch_bytes else 3
         super().__init__([planes, rows, m_rows])
 
     def config(self) -> tuple:
@@ -105,7 +107,8 @@ class _Pass:
 
     def __init__(self, kernel: MatMulQK, em: Emitter, ptrs, M, g0, g1, first):
         self.k, self.em, self.M, self.g0, self.g1, self.first = kernel, em, M, g0, g1, first
-        self.y_ptr, self.w_ptr, self.x_ptr = ptrs
+        self.y_ptr, self.w_ptr, self.x_ptr = ptrs[:3]
+        self.scratch = ptrs[3] if kernel.scratch_bytes else None     # unpack_group's copy
         self.fmt = kernel.fmt
         self.lay = KActLayout(kernel.K)
         self.nb, self.row_bytes = self.lay.nb, self.lay.row_bytes
@@ -126,22 +129,13 @@ class _Pass:
                         else:
                             self._full(mode, wg, g, nt, 1, valid)
                 else:
+                    if self.scratch is not None:
+                        unpack_group(em, self.fmt, wg, self.nb, self.scratch, vec(I8, 64))
                     em.tiles(n0, n1, rn, lambda nt, w: self._full(mode, wg, g, nt, w, valid), name=f"{mode}.nt")
 
     # -- shared pieces ---------------------------------------------------------------------------------
     def _row(self, n):
         return self.em.gep(self.x_ptr, self.em.mul(self.em.add(self.first, n), self.row_bytes))
-
-    def _chunks(self, wb, c0, count: int) -> list:
-        """The <64 x i8> chunks c0 .. c0+count-1 (16 rows x 4 values each) of a packed super-block;
-        c0 (run time) is a multiple of `count` (8 for Q4_K's nibble pairs)."""
-        em, b = self.em, self.em.b
-        v8 = vec(I8, 64)
-        if not self.fmt.nibbles:
-            return [em.load(v8, wb, em.add(em.mul(c0, 64), 64 * i)) for i in range(count)]
-        raw = [em.load(v8, wb, em.add(em.mul(c0, 32), 64 * i)) for i in range(4)]   # vectors 4*(c0/8) + i
-        low, four = ir.Constant(v8, [0x0F] * 64), ir.Constant(v8, [4] * 64)
-        return [b.and_(r, low) for r in raw] + [b.lshr(r, four) for r in raw]
 
     def _scales(self, wb, s):
         """Sub-block s's scales as int16 [16]."""
@@ -200,6 +194,7 @@ class _Pass:
         per = fmt.chunks_per_sub
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+            qb = None if self.scratch is None or mode == "gemv" else em.gep(self.scratch, em.mul(k, 64 * 64))
             dw = load_d(em, wb, fmt.off_d, G)
             dmin = load_d(em, wb, fmt.off_dmin, G) if fmt.has_min else None
             dx = [em.splat(self._d(r, k), G) for r in rows]
@@ -211,7 +206,7 @@ class _Pass:
                 for slot in isum:
                     em.set(slot, fzero if in_float else izero)
                 with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
-                    chunks = self._chunks(wb, em.mul(s, per), per)
+                    chunks = load_chunks(em, fmt, qb or wb, em.mul(s, per), per, vec(I8, 64), qb is not None)
                     sc16 = self._scales(wb, s)
                     sc32 = b.sext(sc16, vi)
                     scd = None if em.target.vnni512 else em.shuffle(sc16, None, [i // 2 for i in range(2 * G)])
@@ -310,7 +305,7 @@ class _Pass:
             em.set(slot, ir.Constant(vi, [0] * G))
         subs_per_block = 8 // fmt.chunks_per_sub          # 1 (32-value sub-blocks) or 2
         with em.loop(0, 8, name="blk32") as jj:
-            chunks = self._chunks(wb, em.mul(jj, 8), 8)
+            chunks = load_chunks(em, fmt, wb, em.mul(jj, 8), 8, vec(I8, 64))
             scd = []
             for h in range(subs_per_block):
                 sc16 = self._scales(wb, em.add(em.mul(jj, subs_per_block), h))

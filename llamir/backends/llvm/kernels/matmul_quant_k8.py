@@ -55,6 +55,80 @@ def dpbusd8(em: Emitter, acc, w, x):
     return em.intrinsic("llvm.x86.avx512.vpdpbusd.256", V8I, [acc, w, x])
 
 
+def load_chunks(em: Emitter, fmt, base, c0, count: int, vt: ir.VectorType, unpacked: bool = False) -> list:
+    """Chunks c0 .. c0+count-1 of the packed super-block at `base` (16 rows in <64 x i8>, or a half's
+    8 rows in <32 x i8> from base + 32h) as one byte per stored value, unpacked from fmt's bit planes
+    (repack_k.py) by and/shift/or; c0 (run time) is a multiple of count: 8, or 4 with 16 sub-blocks.
+    `unpacked`: base is a super-block of unpack_group's copy instead."""
+    b = em.b
+    if unpacked:
+        return [em.load(vt, base, em.add(em.mul(c0, 64), 64 * i)) for i in range(count)]
+
+    def ld(offset):
+        return em.load(vt, base, offset)
+
+    def splat(value: int):
+        return ir.Constant(vt, [value] * vt.count)
+
+    def field(v, at: int, width: int, to: int):
+        """Bits at .. at+width-1 of each byte of v, moved to bit `to`: masked before the shift, so
+        the 16-bit shifts that x86 has move no bits across bytes (and one mask serves a plane)."""
+        if at == 0 and width == 8:
+            return v
+        v = b.and_(v, splat(((1 << width) - 1) << at))
+        return v if at == to else b.shl(v, splat(to - at)) if to > at else b.lshr(v, splat(at - to))
+
+    def shr16(v, n: int):
+        """v >> n in 16-bit lanes (vpsrlw), for bytes whose low n bits the next byte need not fill."""
+        wide = vec(I16, vt.count // 2)
+        return b.bitcast(b.lshr(b.bitcast(v, wide), ir.Constant(wide, [n] * wide.count)), vt)
+
+    if fmt.subs == 8:                   # Q4_K, Q5_K: one 32-value block of 4 nibble vectors (+ 1 bit)
+        blk = em.mul(em.div(c0, 8), fmt.block32_bytes)
+        nib = [ld(em.add(blk, 64 * i)) for i in range(4)]
+        low = [field(v, 0, 4, 0) for v in nib] + [field(v, 4, 4, 0) for v in nib]
+        if fmt.dtype == "q4_k":
+            return low
+        high = ld(em.add(blk, 256))
+        return [b.or_(lo, field(high, i, 1, 4)) for i, lo in enumerate(low)]
+    chunks = []
+    for j in range(count // 4):         # 16-value sub-blocks s; with count 8, s % 2 == j
+        s = em.add(em.div(c0, 4), j)
+        if fmt.dtype == "q6_k":
+            sub = em.mul(s, fmt.block32_bytes // 2)
+            vs = [ld(em.add(sub, 64 * i)) for i in range(3)]
+            last = None   # chunk 3 from the top crumbs of vs[2], vs[1], vs[0]: two masks, 16-bit shifts
+            for v in reversed(vs):
+                top = b.and_(v, splat(0xC0))
+                last = top if last is None else b.or_(shr16(last, 2), top)
+            chunks += [field(v, 0, 6, 0) for v in vs] + [shr16(last, 2)]
+        elif fmt.dtype == "q2_k":
+            crumbs = ld(em.mul(s, 64))
+            chunks += [field(crumbs, 2 * i, 2, 0) for i in range(4)]
+        else:                           # q3_k: the block's bit vector holds both sub-blocks' third bits
+            blk = em.mul(em.div(s, 2), fmt.block32_bytes)
+            crumbs, high = ld(em.add(em.mul(s, 64), em.mul(em.div(s, 2), 64))), ld(em.add(blk, 128))
+            if count == 4:
+                odd = em.icmp("!=", em.rem(s, 2), 0)
+                high = b.select(odd, b.lshr(high, splat(4)), high)
+            at = 4 * j if count == 8 else 0
+            chunks += [b.or_(field(crumbs, 2 * i, 2, 0), field(high, at + i, 1, 2)) for i in range(4)]
+    return chunks
+
+
+def unpack_group(em: Emitter, fmt, wg, nb: int, out, vt: ir.VectorType) -> None:
+    """A 16-row group's values (nb packed super-blocks at wg) one byte each into `out`: chunk c of
+    super-block k at out + 4096k + 64c. The prompt modes read each chunk once per tile of tokens, so
+    they unpack once per group (not for Q4_K, whose nibbles cost one instruction a chunk)."""
+    halves = range(0, 64, vt.count)
+    with em.loop(0, nb, name="unpack.sblk") as k:
+        src, dst = em.gep(wg, em.mul(k, fmt.block_bytes)), em.gep(out, em.mul(k, 64 * 64))
+        with em.loop(0, 8, name="unpack.blk") as jj:
+            for h in halves:
+                for i, chunk in enumerate(load_chunks(em, fmt, em.gep(src, h), em.mul(jj, 8), 8, vt)):
+                    em.store(chunk, dst, em.add(em.mul(jj, 8 * 64), 64 * i + h))
+
+
 def lane_fmas(em: Emitter, dtype: str, acc: list, accm: list, lanes: list, d, dmin, min_pairs) -> None:
     """One super-block of ggml_vec_dot_qN_K_q8_K's float accumulation: acc[l] = fma(d, lane_l, acc[l]),
     the mins where each type puts them; min_pairs(first, count) is their integer sum."""
@@ -113,9 +187,11 @@ class Pass8:
                     self._tiles(mode, wg, g, n0, n1, rn)
 
     def _tiles(self, mode: str, wg, g, n0, n1, rn: int) -> None:
-        em = self.em
+        em, p = self.em, self.p
+        if p.scratch is not None:
+            unpack_group(em, self.fmt, wg, p.nb, p.scratch, V32B)
         with em.loop(0, 2, name=f"{mode}.half") as h:
-            half = _Half(self, wg, g, h)
+            half = _Half(self, wg, g, h, p.scratch)
             with em.if_(em.icmp(">", half.valid, 0)):
                 em.tiles(n0, n1, rn, lambda nt, w: _Rows(self, [half]).full(mode, nt, w), name=f"{mode}.nt")
 
@@ -123,9 +199,10 @@ class Pass8:
 class _Half:
     """Half h (rows 8h .. 8h+7) of group g: where its parts of a super-block are."""
 
-    def __init__(self, ps: Pass8, wg, g, h) -> None:
+    def __init__(self, ps: Pass8, wg, g, h, unpacked=None) -> None:
         em = ps.em
         self.em, self.fmt, self.wg = em, ps.fmt, wg
+        self.unpacked = unpacked          # the group's values from unpack_group, if unpacked
         self.row0 = em.add(em.mul(g, 16), em.mul(h, H))
         self.valid = em.min(em.sub(ps.p.M, self.row0), H)
         self.h32, self.h16, self.h8 = em.mul(h, 32), em.mul(h, 16), em.mul(h, 8)
@@ -134,7 +211,8 @@ class _Half:
         """Super-block k's bases for this half: (chunks, scales, mins and d) (see repack_k)."""
         em = self.em
         wb = em.gep(self.wg, em.mul(k, self.fmt.block_bytes))
-        return em.gep(wb, self.h32), em.gep(wb, self.h8), em.gep(wb, self.h16)
+        qb = wb if self.unpacked is None else em.gep(self.unpacked, em.mul(k, 64 * 64))
+        return em.gep(qb, self.h32), em.gep(wb, self.h8), em.gep(wb, self.h16)
 
 
 class _Rows:
@@ -143,17 +221,9 @@ class _Rows:
     def __init__(self, ps: Pass8, halves: list) -> None:
         self.ps, self.em, self.fmt, self.lay, self.p = ps, ps.em, ps.fmt, ps.lay, ps.p
         self.halves = halves
+        self.unpacked = halves[0].unpacked is not None
 
     # -- loads ---------------------------------------------------------------------------------------
-
-    def _chunks(self, qb, c0, count: int) -> list:
-        """The <32 x i8> chunks c0 .. c0+count-1 (8 rows x 4 values); Q4_K from nibble vectors."""
-        em, b = self.em, self.em.b
-        if not self.fmt.nibbles:
-            return [em.load(V32B, qb, em.add(em.mul(c0, 64), 64 * i)) for i in range(count)]
-        raw = [em.load(V32B, qb, em.add(em.mul(c0, 32), 64 * i)) for i in range(count // 2)]
-        low, four = ir.Constant(V32B, [0x0F] * 32), ir.Constant(V32B, [4] * 32)
-        return [b.and_(r, low) for r in raw] + [b.lshr(r, four) for r in raw]
 
     def _sc(self, sb, s):
         """Sub-block s's 8 scales (int8) as int16."""
@@ -235,7 +305,7 @@ class _Rows:
         """isum[j] += sc * sum(q * q8) over sub-block s (stored values; offsets come off later)."""
         em, b, fmt = self.em, self.em.b, self.fmt
         per = fmt.chunks_per_sub
-        chunks = self._chunks(qb, em.mul(s, per), per)
+        chunks = load_chunks(em, fmt, qb, em.mul(s, per), per, V32B, self.unpacked)
         xqs = [em.gep(xr, em.mul(k, 256)) for xr in rows]
         c0 = em.mul(s, per)
         sc = self._sc(sb, s)
@@ -323,16 +393,20 @@ class _Rows:
         for slot in lane_vars:
             em.set(slot, ir.Constant(V8I, [0] * H))
         subs_per_block = 8 // fmt.chunks_per_sub
-        with em.loop(0, 8, name="blk32") as jj:
-            chunks = self._chunks(qb, em.mul(jj, 8), 8)
-            scd = [em.shuffle(self._sc(sb, em.add(em.mul(jj, subs_per_block), h)), None, _DUP)
-                   for h in range(subs_per_block)]
-            for i, w in enumerate(chunks):
-                c = em.add(em.mul(jj, 8), i)
-                prod = maddubs8(em, w, self._x(xq, c))
-                if fmt.dtype == "q3_k":
-                    prod = b.sub(prod, self._pair(xr, "chunk4", k, c))
-                em.set(lane_vars[i], madd_add8(em, em.get(lane_vars[i]), prod, scd[i // fmt.chunks_per_sub]))
+        # bit planes need registers to unpack: lanes 0-3, then 4-7, so that 16 ymm hold a pass's lanes
+        # (the integers are the same; the second pass reads the super-block from L1)
+        for first, last in ((0, 8),) if fmt.dtype == "q4_k" else ((0, 4), (4, 8)):
+            with em.loop(0, 8, name="blk32") as jj:
+                chunks = load_chunks(em, fmt, qb, em.mul(jj, 8), 8, V32B)
+                scd = [em.shuffle(self._sc(sb, em.add(em.mul(jj, subs_per_block), h)), None, _DUP)
+                       for h in range(first // fmt.chunks_per_sub, (last - 1) // fmt.chunks_per_sub + 1)]
+                for i in range(first, last):
+                    c = em.add(em.mul(jj, 8), i)
+                    prod = maddubs8(em, chunks[i], self._x(xq, c))
+                    if fmt.dtype == "q3_k":
+                        prod = b.sub(prod, self._pair(xr, "chunk4", k, c))
+                    scale = scd[i // fmt.chunks_per_sub - first // fmt.chunks_per_sub]
+                    em.set(lane_vars[i], madd_add8(em, em.get(lane_vars[i]), prod, scale))
         lanes = [em.get(slot) for slot in lane_vars]
         if fmt.dtype == "q6_k":
             interleave = [i // 2 + (i % 2) * H for i in range(2 * H)]

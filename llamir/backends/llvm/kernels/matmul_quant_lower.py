@@ -101,7 +101,12 @@ def lower_quant_matmul(L: Lowerer, node: Node) -> None:
         planes = E.prod(shape[:-2]) if len(shape) > 2 else 1
         rows = shape[-2] if len(shape) > 1 else 1
         repacked = repack_type(a.dtype, m_rows, L.numerics) is not None
-        L.step(MatMulQK(fmt, K, planes, rows, m_rows, repacked), [y, (packed, 0), (act, 0)], [packed, act], [y])
+        kernel = MatMulQK(fmt, K, planes, rows, m_rows, repacked)
+        ptrs, writes = [y, (packed, 0), (act, 0)], [y]
+        if kernel.scratch_bytes:
+            unpacked = L.scratch(kernel.scratch_bytes, "qk_unpacked", per_thread=True)
+            ptrs, writes = ptrs + [(unpacked, 0)], writes + [unpacked]
+        L.step(kernel, ptrs, [packed, act], writes)
         return
     act, n_rows = quantized_activation(L, node.inputs[1], fmt, K)
     L.step(MatMulQ(fmt, K, n_rows, m_rows), [y, (packed, 0), (act, 0)], [packed, act], [y])

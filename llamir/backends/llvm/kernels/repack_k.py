@@ -3,19 +3,27 @@
 A weight [M, K] becomes groups of 16 rows (M padded with zero rows); each (group, super-block of
 256 values) holds, in this order:
 
-    q      64 chunks of 64 bytes: byte 4r+t of chunk c is value 4c+t of row r, unsigned
-           (Q3_K as q+4, Q6_K as q+32: the kernel subtracts the offset times the activation
-           sums). Q4_K packs two chunks per vector: chunk c (c % 8 < 4) in the low nibbles and
-           chunk c+4 in the high ones, so one sub-block's 8 chunks are 4 vectors.
+    q      the values as bit planes, vectors of 64 bytes in which byte 4r+t belongs to value t of
+           row r of a 4-value chunk (chunk c: values 4c..4c+3). Unpacked, chunk c is the unsigned
+           stored value (Q3_K as q+4, Q6_K as q+32: the kernel subtracts the offset times the
+           activation sums).
+             Q4_K, Q5_K  per 32-value block (8 chunks): 4 nibble vectors (chunk i low, chunk i+4
+                         high), then Q5_K's bit vector (bit i: chunk i's fifth bit)
+             Q6_K        per 16-value sub-block (4 chunks): 3 vectors, vector i holding chunk i in
+                         bits 0-5 and bits 4-2i, 5-2i of chunk 3 in bits 6, 7
+             Q3_K        per 32-value block: the two sub-blocks' crumb vectors (bits 2i, 2i+1:
+                         chunk i's low two) and a bit vector (bit i: chunk i's third)
+             Q2_K        per sub-block: a crumb vector
     sc     S sub-block scales per row, int8 [S][16]   (S = 16 for Q2_K/Q3_K/Q6_K, 8 otherwise)
     mn     the sub-block mins in pairs, int8 [S/2][16][2]: (m[2l], m[2l+1]) per row, widened to
            int16 for a vpmaddwd with the activation's sum pairs  (Q2_K, Q4_K, Q5_K)
     d      the super-block's d, fp16 [16]
     dmin   its dmin, fp16 [16]                           (Q2_K, Q4_K, Q5_K)
 
-Every part splits into two contiguous halves of 8 rows (the 256-bit kernels' unit). Scales, mins and
-d are as narrow as ggml's (Q4_K: 2368 bytes per 16 rows where ggml has 2304), since token generation
-streams the whole weight once per token.
+Every part splits into two contiguous halves of 8 rows (the 256-bit kernels' unit). Token generation
+streams the whole weight once per token, so the values take as many bits as in ggml's blocks, and
+scales and mins a byte each: per 16 rows and 256 values, Q6_K 3360 bytes as ggml, Q5_K 2880 (ggml:
+2816), Q4_K 2368 (2304), Q3_K 1824 (1760), Q2_K 1600 (1344, its 4-bit scales and mins).
 
 The integers are ggml's own (sc*q summed exactly in int32); the kernel (matmul_quant_k.py) then
 applies each ggml kernel's float order to them.
@@ -47,8 +55,9 @@ class KFormat:
         return 64 // self.subs
 
     @property
-    def nibbles(self) -> bool:
-        return self.dtype == "q4_k"
+    def block32_bytes(self) -> int:
+        """Bytes of q per 32-value block (8 chunks) of the 16 rows: the values' bits / 8 * 512."""
+        return {"q2_k": 128, "q3_k": 192, "q4_k": 256, "q5_k": 320, "q6_k": 384}[self.dtype]
 
     @property
     def has_min(self) -> bool:
@@ -61,7 +70,7 @@ class KFormat:
 
     @property
     def q_bytes(self) -> int:
-        return 2048 if self.nibbles else 4096
+        return 8 * self.block32_bytes
 
     @property
     def off_sc(self) -> int:
@@ -131,6 +140,35 @@ def _pad_rows(a: np.ndarray, groups: int) -> np.ndarray:
     return a if not pad else np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
 
 
+def _bits(chunks: np.ndarray, width: int) -> np.ndarray:
+    """[..., n, 64] values below 2**width -> [..., 64] with chunk i at bits width*i."""
+    out = np.zeros(chunks.shape[:-2] + chunks.shape[-1:], np.uint8)
+    for i in range(chunks.shape[-2]):
+        out |= chunks[..., i, :] << (width * i)
+    return out
+
+
+def _planes(q: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored values [g, nb, 64 chunks, 64 bytes] -> the bit planes [g, nb, q_bytes] (see the module)."""
+    g, nb = q.shape[:2]
+    if dtype in ("q4_k", "q5_k"):              # [g, nb, 8 blocks, 8 chunks, 64]
+        blk = q.reshape(g, nb, 8, 8, 64)
+        vecs = [(blk[:, :, :, :4] & 15) | ((blk[:, :, :, 4:] & 15) << 4)]
+        if dtype == "q5_k":
+            vecs.append(_bits(blk >> 4, 1)[:, :, :, None])
+    elif dtype == "q3_k":                      # [g, nb, 8 blocks, 2 sub-blocks, 4 chunks, 64]
+        blk = q.reshape(g, nb, 8, 2, 4, 64)
+        vecs = [_bits(blk & 3, 2), _bits(blk.reshape(g, nb, 8, 8, 64) >> 2, 1)[:, :, :, None]]
+    else:                                      # [g, nb, 16 sub-blocks, 4 chunks, 64]
+        sub = q.reshape(g, nb, 16, 4, 64)
+        if dtype == "q2_k":
+            vecs = [_bits(sub, 2)[:, :, :, None]]
+        else:
+            top = (sub[:, :, :, 3:] >> np.array([4, 2, 0], np.uint8).reshape(3, 1)) & 3
+            vecs = [sub[:, :, :, :3] | (top << 6)]
+    return np.ascontiguousarray(np.concatenate(vecs, axis=3)).reshape(g, nb, -1)
+
+
 def repack_k(raw: np.ndarray, fmt: KFormat) -> np.ndarray:
     """uint8 [n_groups, nb, block_bytes] from a K-quant weight's bytes [M, row_bytes]."""
     raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
@@ -143,10 +181,7 @@ def repack_k(raw: np.ndarray, fmt: KFormat) -> np.ndarray:
         q, sc, mn, d, dmin = _values(raw.reshape(-1, size), fmt.dtype)
     groups = -(-m // G)
     q = _pad_rows(q.reshape(m, nb, 64, 4), groups).reshape(groups, G, nb, 64, 4).transpose(0, 2, 3, 1, 4)
-    if fmt.nibbles:  # [g, nb, 8 (c // 8), 2 (low: c % 8 < 4, high), 4, 16, 4]
-        q = q.reshape(groups, nb, 8, 2, 4, G, 4)
-        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)
-    parts = [np.ascontiguousarray(q, dtype=np.uint8).reshape(groups, nb, -1)]
+    parts = [_planes(np.ascontiguousarray(q, dtype=np.uint8).reshape(groups, nb, 64, 64), fmt.dtype)]
     sc = _pad_rows(sc.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs).transpose(0, 2, 3, 1)
     parts.append(np.ascontiguousarray(sc, dtype=np.int8).view(np.uint8).reshape(groups, nb, -1))
     if mn is not None:   # [g, 16, nb, S/2, 2] -> [g, nb, S/2, 16, 2]
