@@ -11,10 +11,13 @@ llamir/ir/quants_k_x86.py, the reference they match bit for bit):
            acc = fma(isum, d_w*d_x, acc) per super-block (gemv: the N % 4 rows left over) or per
            64 / 128 values (gemm: rows in fours); y = acc - (the same for the mins).
 
-The full sums use vpdpbusd chains per sub-block times the sub-block scale (vpmaddubsw + vpmaddwd
-without VNNI). Each thread takes groups of 16 weight rows; tokens go in tiles of RN through L2-
-sized blocks, as in matmul_quant.py. Targets without AVX-512 run the same modes on 8-row halves of
-each group in 256-bit registers (matmul_quant_k8.py).
+The weight's values come as bit planes (repack_k.py), unpacked in registers to a byte each
+(load_chunks); the prompt modes (tiled, gemm) unpack each 16-row group once into a per-thread
+scratch and read that from every token tile (Q4_K's nibbles excepted). The full sums use vpdpbusd
+chains per sub-block times the sub-block scale (vpmaddubsw + vpmaddwd without VNNI). Each thread
+takes groups of 16 weight rows; tokens go in tiles of RN through L2-sized blocks, as in
+matmul_quant.py. Targets without AVX-512 run the same modes on 8-row halves of each group in
+256-bit registers (matmul_quant_k8.py).
 """
 
 from __future__ import annotations
@@ -194,7 +197,8 @@ class _Pass:
         per = fmt.chunks_per_sub
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
-            qb = None if self.scratch is None or mode == "gemv" else em.gep(self.scratch, em.mul(k, 64 * 64))
+            unpacked = self.scratch is not None and mode != "gemv"     # unpack_group's copy of the values
+            qb = em.gep(self.scratch, em.mul(k, 64 * 64)) if unpacked else wb
             dw = load_d(em, wb, fmt.off_d, G)
             dmin = load_d(em, wb, fmt.off_dmin, G) if fmt.has_min else None
             dx = [em.splat(self._d(r, k), G) for r in rows]
@@ -206,7 +210,7 @@ class _Pass:
                 for slot in isum:
                     em.set(slot, fzero if in_float else izero)
                 with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
-                    chunks = load_chunks(em, fmt, qb or wb, em.mul(s, per), per, vec(I8, 64), qb is not None)
+                    chunks = load_chunks(em, fmt, qb, em.mul(s, per), per, vec(I8, 64), unpacked)
                     sc16 = self._scales(wb, s)
                     sc32 = b.sext(sc16, vi)
                     scd = None if em.target.vnni512 else em.shuffle(sc16, None, [i // 2 for i in range(2 * G)])

@@ -11,7 +11,8 @@ integers as the 512-bit code:
   scales. With AVX-VNNI, one vpdpbusd chain per sub-block times the scale (vpmulld) instead. The
   stored offset of Q3_K/Q6_K comes off once per super-block (sc x bsum pairs, one vpmaddwd each);
   the gemm/gemv mins go to their own accumulator in a second loop (the two sums are independent).
-- lanes (vec_dot): 8 int32 lane vectors per half and token, lane l summing its chunks c % 8 == l.
+- lanes (vec_dot): 8 int32 lane vectors per half and token, lane l summing its chunks c % 8 == l;
+  but for Q4_K lanes 0-3 and 4-7 in two passes, so the unpacking of the bit planes fits 16 ymm.
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ def load_chunks(em: Emitter, fmt, base, c0, count: int, vt: ir.VectorType, unpac
         return ir.Constant(vt, [value] * vt.count)
 
     def field(v, at: int, width: int, to: int):
-        """Bits at .. at+width-1 of each byte of v, moved to bit `to`: masked before the shift, so
-        the 16-bit shifts that x86 has move no bits across bytes (and one mask serves a plane)."""
+        """Bits at .. at+width-1 of each byte of v, moved to bit `to`."""
         if at == 0 and width == 8:
             return v
         v = b.and_(v, splat(((1 << width) - 1) << at))
@@ -97,7 +97,7 @@ def load_chunks(em: Emitter, fmt, base, c0, count: int, vt: ir.VectorType, unpac
         if fmt.dtype == "q6_k":
             sub = em.mul(s, fmt.block32_bytes // 2)
             vs = [ld(em.add(sub, 64 * i)) for i in range(3)]
-            last = None   # chunk 3 from the top crumbs of vs[2], vs[1], vs[0]: two masks, 16-bit shifts
+            last = None   # chunk 3 from the top crumbs of vs[2], vs[1], vs[0], masked before each shift
             for v in reversed(vs):
                 top = b.and_(v, splat(0xC0))
                 last = top if last is None else b.or_(shr16(last, 2), top)
