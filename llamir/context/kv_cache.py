@@ -102,6 +102,11 @@ def _state_read(memory, reader, seq_id: int = -1, flags: int = 0) -> None:
     state_kv.apply_memory(state_kv.read_memory(reader, memory, source, flags), seq_id)
 
 
+def padded_n_kv(size: int, used_max_p1: int) -> int:
+    """The cells a stream attends: its used prefix padded to 256 (keeps graphs stable), at most its size."""
+    return min(size, max(256, -(-used_max_p1 // 256) * 256))
+
+
 @dataclass
 class SlotInfo:
     """Where a ubatch goes: per used stream, the cell indices of its tokens."""
@@ -203,13 +208,8 @@ class KVCache:
         return sum(a.nbytes for a in self.buffers.values())
 
     def get_n_kv(self, sinfo: SlotInfo) -> int:
-        """Cells attended: used prefix padded to 256 (keeps graphs stable), at most the size."""
-        n = 0
-        for s in sinfo.strm:
-            cells = self.v_cells[s]
-            padded = max(256, -(-cells.used_max_p1() // 256) * 256)
-            n = max(n, min(cells.size, padded))
-        return n
+        """Cells attended: the largest of the slot's streams' (padded_n_kv)."""
+        return max(padded_n_kv(self.v_cells[s].size, self.v_cells[s].used_max_p1()) for s in sinfo.strm)
 
     def stream_of(self, seq_id: int) -> KVCells:
         return self.v_cells[self.seq_to_stream[seq_id]]

@@ -21,7 +21,7 @@ import numpy as np
 
 from llamir.context.batch import POS_LIMIT, Batch
 from llamir.context.graph_inputs import GraphResult, InputAttnKV, InputEmbd, InputOutIds, InputPos
-from llamir.context.kv_cache import KVCache
+from llamir.context.kv_cache import KVCache, padded_n_kv
 
 _I64, _BOOL = np.dtype(np.int64), np.dtype(bool)
 _INPUT_KINDS = frozenset({InputEmbd, InputPos, InputOutIds, InputAttnKV})
@@ -32,7 +32,7 @@ class TokenStep:
     keeps that graph's bound input arrays and bindings, and serves the next tokens while the
     graph stays the one the general path would reuse."""
 
-    def __init__(self, ctx, result: GraphResult, bindings: dict[str, int]):
+    def __init__(self, ctx, result: GraphResult, kv: InputAttnKV, bindings: dict[str, int]):
         self.ctx = ctx
         self.cparams = ctx.cparams
         self.result = result
@@ -43,9 +43,7 @@ class TokenStep:
         self.call_bound = getattr(self.executable, "call_bound", None)
         self.binding = getattr(self.executable, "binding", None)
         values = result.values
-        kv: InputAttnKV = next(inp for inp in result.inputs if type(inp) is InputAttnKV)
         k_name, v_name, mask_name = kv.leaf_names
-        self.kv = kv
         self.n_kv = kv.n_kv
         self.tokens, self.pos, self.out_ids = values["inp_tokens"], values["inp_pos"], values["inp_out_ids"]
         self.k_idxs, self.v_idxs, self.mask = values[k_name], values[v_name], values[mask_name]
@@ -74,7 +72,7 @@ class TokenStep:
         kv = next(inp for inp in result.inputs if type(inp) is InputAttnKV)
         if kv.alibi or kv.suffix or kv.mctx.cache is not memory or not kv.causal:
             return None
-        return cls(ctx, result, bindings)
+        return cls(ctx, result, kv, bindings)
 
     def decode(self, batch: Batch) -> int | None:
         """The status of decoding `batch`, or None (nothing changed) if the general path must."""
@@ -133,8 +131,7 @@ class TokenStep:
                     return None
                 idx = int(free[0])
         # the graph is the one to reuse only while n_kv (the used prefix padded to 256) stays
-        used_p1 = max(cells.used_max_p1(), idx + 1)
-        if min(size, max(256, -(-used_p1 // 256) * 256)) != self.n_kv:
+        if padded_n_kv(size, max(cells.used_max_p1(), idx + 1)) != self.n_kv:
             return None
 
         perf = ctx.perf_counters

@@ -141,9 +141,7 @@ class CompiledSplit:
             self._bindings = bindings
             outputs = self._bind_outputs()
             self._run()
-        for name, ref in self.plan.leaf_views.items():
-            outputs[name] = self._view_of(ref, self._bound(ref.buf.name, keep), bindings)
-        return outputs
+        return self._with_leaf_views(outputs, keep, bindings)
 
     def call_bound(self, binding: int) -> dict[str, np.ndarray] | None:
         """Run again on what the last call bound: the same arrays, refilled in place, at the same
@@ -154,8 +152,12 @@ class CompiledSplit:
                 return None
             outputs = self._bind_outputs()
             self._run()
+        return self._with_leaf_views(outputs, self._keep, self._bindings)
+
+    def _with_leaf_views(self, outputs: dict, keep: dict, bindings) -> dict[str, np.ndarray]:
+        """The outputs plus those that live in a leaf's memory, as views of the arrays bound."""
         for name, ref in self.plan.leaf_views.items():
-            outputs[name] = self._view_of(ref, self._bound(ref.buf.name, self._keep), self._bindings)
+            outputs[name] = self._view_of(ref, self._bound(ref.buf.name, keep), bindings)
         return outputs
 
     def _view_of(self, ref: Ref, owner: np.ndarray, bindings) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The LLVM backend as a backend: compile cache (memory, disk, corrupt entries), run-time dims
 without recompiling, thread counts, errors reported by kernels, bad leaves, observation of named
-values, barriers between dependent steps only, and the arena's reuse of memory."""
+values, barriers between dependent steps only, the arena's reuse of memory, and running again
+on what the last call bound (call_bound)."""
 
 from __future__ import annotations
 
@@ -315,3 +316,53 @@ def test_llvmlite_errors_while_compiling_are_backend_errors(tmp_path, monkeypatc
     with pytest.raises(BackendError, match=r"llvm backend failed to compile g \((llvmlite\S*|builtins)\."
                                            r"(DuplicatedNameError|RuntimeError)\)"):
         LLVMBackend(n_threads=1, cache_dir=tmp_path).compile(_graph(56))
+
+
+def _called(llvm_backend, T: int):
+    """A compiled _graph() after one call on fresh values: (graph, executable, values, binding)."""
+    g = _graph()
+    exe = llvm_backend.compile(g)
+    values = _values(T)
+    exe(values, {"T": T})
+    return g, exe, values, exe.binding
+
+
+def test_call_bound_sees_inputs_refilled_in_place(llvm_backend):
+    """CompiledSplit.call_bound runs again on the arrays the last call bound, refilled in place:
+    what a full call and the reference give."""
+    g, exe, values, binding = _called(llvm_backend, 3)
+    for _ in range(3):
+        values["x"][...] = rng.standard_normal(values["x"].shape)
+        out = exe.call_bound(binding)
+        np.testing.assert_array_equal(out["y"], run_graph(g, values, {"T": 3})["y"])
+        np.testing.assert_array_equal(out["y"], exe(values, {"T": 3})["y"])
+        assert exe.binding == binding          # a full call on the same arrays binds nothing new
+
+
+def test_call_bound_refuses_after_anything_else_was_bound(llvm_backend):
+    """Nothing runs (None) once other dims or another input or weight array were bound."""
+    g, exe, values, binding = _called(llvm_backend, 3)
+    exe(_values(5), {"T": 5})                  # other dims and arrays
+    assert exe.call_bound(binding) is None
+    exe(values, {"T": 3})
+    binding = exe.binding
+    exe({**values, "x": values["x"].copy()}, {"T": 3})   # another input array
+    assert exe.call_bound(binding) is None
+    exe(values, {"T": 3})
+    binding = exe.binding
+    exe({**values, "m": values["m"].copy()}, {"T": 3})   # another weight array
+    assert exe.call_bound(binding) is None
+
+
+def test_call_bound_refuses_an_input_bound_as_a_copy(llvm_backend):
+    """An input bound through a contiguous copy does not see its array refilled: refused."""
+    g = _graph()
+    exe = llvm_backend.compile(g)
+    values = _values(4)
+    values["x"] = np.asfortranarray(values["x"])          # bound through a contiguous copy
+    exe(values, {"T": 4})
+    assert exe.call_bound(exe.binding) is None
+    values["x"] = np.ascontiguousarray(values["x"])
+    exe(values, {"T": 4})
+    assert exe.call_bound(exe.binding) is not None
+

@@ -23,7 +23,7 @@ def maddubs(em: Emitter, a_u8, b_s8):
 
 def madd_pairs(em: Emitter, p16):
     """vpmaddwd with ones: int32 lane l = p[2l] + p[2l+1]."""
-    return em.intrinsic("llvm.x86.avx2.pmadd.wd", V8I32, [p16, ir.Constant(V16I16, [1] * 16)])
+    return madd16(em, p16, ir.Constant(V16I16, [1] * 16))
 
 
 def dot4(em: Emitter, acc, a_u8, b_s8):

@@ -40,6 +40,11 @@ def dpbusd(em: Emitter, acc, w_u8, x_s8):
     return total
 
 
+def lanes8_total(b: ir.IRBuilder, a: list):
+    """The 8 chunk accumulators of vec_dot's lanes8 order summed as ggml's reduction does."""
+    return b.fadd(b.fadd(b.fadd(a[0], a[4]), b.fadd(a[2], a[6])), b.fadd(b.fadd(a[1], a[5]), b.fadd(a[3], a[7])))
+
+
 class MatMulQ(Kernel):
     """y [N, M] f32 = act [N, K] (quantized rows) x packed weight [M, K]."""
 
@@ -115,9 +120,7 @@ class MatMulQ(Kernel):
         mask = em.lane_mask(G, valid)
         for j in range(rn):
             if lanes8:
-                a_ = [em.get(x) for x in accs[j]]
-                total = b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
-                               b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7])))
+                total = lanes8_total(b, [em.get(x) for x in accs[j]])
             else:
                 total = em.get(accs[j][0])
             if mins:
@@ -281,9 +284,7 @@ def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256,
                     aux = em.splat(em.load(F32, xr, em.add(off_aux, em.mul(k, 4))), H)
                     em.set(mins[h, j], em.fma(wm, aux, em.get(mins[h, j])))
     for (h, j), lane_accs in accs.items():
-        a_ = [em.get(x) for x in lane_accs]
-        total = b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
-                       b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7])))
+        total = lanes8_total(b, [em.get(x) for x in lane_accs])
         if mins:
             total = b.fadd(total, em.get(mins[h, j]))
         out.store(h, j, total)
@@ -375,9 +376,8 @@ class _PairsHalf:
             with em.loop(0, self.nb, PAIRS_K_BLOCKS, name="kblk") as k0:
                 self._k_block(k0, em.min(em.add(k0, PAIRS_K_BLOCKS), self.nb), resume=True)
         for j in range(len(self.rows)):
-            a_ = [em.load(self.vf, self.s.accs, self._acc_at(j, c)) for c in range(fmt.chunks)]
-            out.store(self.h, j, b.fadd(b.fadd(b.fadd(a_[0], a_[4]), b.fadd(a_[2], a_[6])),
-                                        b.fadd(b.fadd(a_[1], a_[5]), b.fadd(a_[3], a_[7]))))
+            out.store(self.h, j, lanes8_total(b, [em.load(self.vf, self.s.accs, self._acc_at(j, c))
+                                                  for c in range(fmt.chunks)]))
 
     def _acc_at(self, j: int, c: int) -> int:
         return (j * self.fmt.chunks + c) * 4 * H

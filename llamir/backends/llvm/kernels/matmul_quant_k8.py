@@ -12,7 +12,7 @@ integers as the 512-bit code:
   stored offset of Q3_K/Q6_K comes off once per super-block (sc x bsum pairs, one vpmaddwd each);
   the gemm/gemv mins go to their own accumulator in a second loop (the two sums are independent).
 - lanes (vec_dot): 8 int32 lane vectors per half and token, lane l summing its chunks c % 8 == l;
-  but for Q4_K lanes 0-3 and 4-7 in two passes, so the unpacking of the bit planes fits 16 ymm.
+  every type but Q4_K runs lanes 0-3 and 4-7 in two passes, so that unpacking its bit planes fits 16 ymm.
 """
 
 from __future__ import annotations
@@ -106,13 +106,11 @@ def load_chunks(em: Emitter, fmt, base, c0, count: int, vt: ir.VectorType, unpac
             crumbs = ld(em.mul(s, 64))
             chunks += [field(crumbs, 2 * i, 2, 0) for i in range(4)]
         else:                           # q3_k: the block's bit vector holds both sub-blocks' third bits
+            if count != 8:
+                raise ValueError("Q3_K chunks are unpacked a 32-value block (8 chunks) at a time")
             blk = em.mul(em.div(s, 2), fmt.block32_bytes)
             crumbs, high = ld(em.add(em.mul(s, 64), em.mul(em.div(s, 2), 64))), ld(em.add(blk, 128))
-            if count == 4:
-                odd = em.icmp("!=", em.rem(s, 2), 0)
-                high = b.select(odd, b.lshr(high, splat(4)), high)
-            at = 4 * j if count == 8 else 0
-            chunks += [b.or_(field(crumbs, 2 * i, 2, 0), field(high, at + i, 1, 2)) for i in range(4)]
+            chunks += [b.or_(field(crumbs, 2 * i, 2, 0), field(high, 4 * j + i, 1, 2)) for i in range(4)]
     return chunks
 
 
