@@ -59,13 +59,18 @@ def v_expf(em: Emitter, x: ir.Value) -> ir.Value:
     j = em.fma(poly, u, b.fmul(c("0x1.ffffecp-1"), bb))
     e = b.shl(b.bitcast(z, vi), ic(23))
     k = b.bitcast(b.add(e, ic(0x3F800000)), x.type)
-    g = b.select(b.fcmp_ordered("<=", n, c(0.0)), ic(0x82000000 - (1 << 32)), ic(0))
-    s1 = b.bitcast(b.add(g, ic(0x7F000000)), x.type)
-    s2 = b.bitcast(b.sub(e, g), x.type)
-    scaled = b.fmul(em.fma(s2, j, s2), s1)
     plain = em.fma(k, j, k)
-    out = b.select(b.fcmp_ordered(">", abs_n, c(126.0)), scaled, plain)
-    return b.select(b.fcmp_ordered(">", abs_n, c(192.0)), b.fmul(s1, s1), out)
+    far = b.fcmp_ordered(">", abs_n, c(126.0))
+    # ggml returns here when no lane is far (a real branch: the far path's products of tiny
+    # scales are subnormal, and every subnormal result costs a microcode assist)
+    out = em.var(x.type, plain)
+    with em.if_(b.icmp_unsigned("!=", b.bitcast(far, ir.IntType(n_lanes)), ir.Constant(ir.IntType(n_lanes), 0))):
+        g = b.select(b.fcmp_ordered("<=", n, c(0.0)), ic(0x82000000 - (1 << 32)), ic(0))
+        s1 = b.bitcast(b.add(g, ic(0x7F000000)), x.type)
+        s2 = b.bitcast(b.sub(e, g), x.type)
+        scaled = b.select(far, b.fmul(em.fma(s2, j, s2), s1), plain)
+        em.set(out, b.select(b.fcmp_ordered(">", abs_n, c(192.0)), b.fmul(s1, s1), scaled))
+    return em.get(out)
 
 
 def scalef(em: Emitter, j: ir.Value, n: ir.Value) -> ir.Value:

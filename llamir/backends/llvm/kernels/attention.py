@@ -421,19 +421,25 @@ class FlashAttn(Kernel):
             with em.loop(0, DK, name="kd") as k:
                 em.store(_vload(em, krow, k, kv_dt, 0), Kt, em.mul(em.add(em.mul(k, TILE), j), 4))
         # KQ[i][:] = sum_k Q[i][k] * Kt[k][:]  (simd_gemm: one fma chain per score, k in order),
-        # four query rows at a time so each Kt vector is loaded once per four rows
+        # a block of query rows x score vectors at a time, as many as the registers hold, so each
+        # Kt vector is loaded once per block of rows
         nvec = TILE // LANES
+        kq_group, kq_cols = register_block(em, nvec)
 
         def kq_rows(i0, n_rows: int) -> None:
-            accs = [[em.var(vt, zero) for _ in range(nvec)] for _ in range(n_rows)]
+            for r0 in range(0, nvec, kq_cols):
+                kq_block(i0, n_rows, range(r0, r0 + kq_cols))
+
+        def kq_block(i0, n_rows: int, block: range) -> None:
+            accs = [{r: em.var(vt, zero) for r in block} for _ in range(n_rows)]
             with em.loop(0, DK, name="k") as k:
-                kv = [em.load(vt, Kt, em.mul(em.add(em.mul(k, TILE), r * LANES), 4)) for r in range(nvec)]
+                kv = {r: em.load(vt, Kt, em.mul(em.add(em.mul(k, TILE), r * LANES), 4)) for r in block}
                 for ii in range(n_rows):
                     qv = em.splat(em.load(F32, Q, em.mul(em.add(em.mul(em.add(i0, ii), DK), k), 4)), LANES)
-                    for r in range(nvec):
+                    for r in block:
                         em.set(accs[ii][r], em.fma(kv[r], qv, em.get(accs[ii][r])))
             for ii in range(n_rows):
-                for r in range(nvec):
+                for r in block:
                     x = b.fmul(em.get(accs[ii][r]), vmath.splat(em, self.scale, LANES))
                     if self.softcap:
                         x = b.fmul(vmath.libm(em, "tanhf", x), vmath.splat(em, self.softcap, LANES))
@@ -445,9 +451,9 @@ class FlashAttn(Kernel):
                         x = b.fadd(x, em.load(vt, MK, off))
                     em.store(x, KQ, off)
 
-        full = em.mul(em.div(rows, 4), 4)
-        with em.loop(0, full, 4, name="qi4") as i:
-            kq_rows(i, 4)
+        full = em.mul(em.div(rows, kq_group), kq_group)
+        with em.loop(0, full, kq_group, name="qig") as i:
+            kq_rows(i, kq_group)
         with em.loop(full, rows, name="qi1") as i:
             kq_rows(i, 1)
         # per row: tile max, rescale, exps in place, sum (ggml_vec_soft_max_f32)
@@ -488,12 +494,11 @@ class FlashAttn(Kernel):
             dst = em.gep(V32, em.mul(em.mul(j, DV), 4))
             chunked(em, DV, lambda k, lanes, vrow=vrow, dst=dst: _vstore(
                 em, _vload(em, vrow, k, kv_dt, lanes), dst, k, "f32"))
-        # VKQ[i][:] += sum_j KQ[i][j] * V32[j][:] (dead rows keep VKQ); with a static DV all of a
-        # few rows' accumulators stay in registers, so each V vector is loaded once per row group
+        # VKQ[i][:] += sum_j KQ[i][j] * V32[j][:] (dead rows keep VKQ); with a static DV a block of
+        # rows x output vectors stays in registers, so each V vector is loaded once per row group
         static = isinstance(DV, int) and DV % LANES == 0 and DV // LANES <= 8
         nv = DV // LANES if static else 0
-        group = max(1, 16 // nv) if static else 4
-        group = min(group, 4)
+        group, pv_cols = register_block(em, nv) if static else (4, 0)
 
         def pv_rows(i0, n_rows: int) -> None:
             masks = [b.icmp_unsigned("==", b.and_(b.lshr(em.get(skip), em.add(i0, ii)), em.i64(1)), em.i64(0))
@@ -501,18 +506,20 @@ class FlashAttn(Kernel):
             outs = [em.gep(VKQ, em.mul(em.mul(em.add(i0, ii), DV), 4)) for ii in range(n_rows)]
             prows = [em.gep(KQ, em.mul(em.mul(em.add(i0, ii), TILE), 4)) for ii in range(n_rows)]
             if static:
-                accs = [[em.var(vt, em.load(vt, outs[ii], c * LANES * 4)) for c in range(nv)] for ii in range(n_rows)]
-                with em.loop(0, kvt, name="vj") as j:
-                    vrow = em.gep(V32, em.mul(em.mul(j, DV), 4))
-                    vs = [em.load(vt, vrow, c * LANES * 4) for c in range(nv)]
+                for c0 in range(0, nv, pv_cols):
+                    cols = range(c0, c0 + pv_cols)
+                    accs = [{c: em.var(vt, em.load(vt, outs[ii], c * LANES * 4)) for c in cols} for ii in range(n_rows)]
+                    with em.loop(0, kvt, name="vj") as j:
+                        vrow = em.gep(V32, em.mul(em.mul(j, DV), 4))
+                        vs = {c: em.load(vt, vrow, c * LANES * 4) for c in cols}
+                        for ii in range(n_rows):
+                            p = em.splat(em.load(F32, prows[ii], em.mul(j, 4)), LANES)
+                            for c in cols:
+                                em.set(accs[ii][c], em.fma(vs[c], p, em.get(accs[ii][c])))
                     for ii in range(n_rows):
-                        p = em.splat(em.load(F32, prows[ii], em.mul(j, 4)), LANES)
-                        for c in range(nv):
-                            em.set(accs[ii][c], em.fma(vs[c], p, em.get(accs[ii][c])))
-                for ii in range(n_rows):
-                    with em.if_(masks[ii]):
-                        for c in range(nv):
-                            em.store(em.get(accs[ii][c]), outs[ii], c * LANES * 4)
+                        with em.if_(masks[ii]):
+                            for c in cols:
+                                em.store(em.get(accs[ii][c]), outs[ii], c * LANES * 4)
                 return
 
             def body(k, lanes):
@@ -534,6 +541,20 @@ class FlashAttn(Kernel):
             pv_rows(i, group)
         with em.loop(full, rows, name="vi1") as i:
             pv_rows(i, 1)
+
+
+def register_block(em: Emitter, n_vecs: int) -> tuple[int, int]:
+    """(rows, vectors) of a block of 16-lane accumulators for the target's register file: up to
+    four rows x the most of the n_vecs vectors (a divisor) such that the accumulators, a row of
+    loaded vectors and a broadcast leave four registers spare (32 zmm with AVX-512; 16 ymm
+    without, where each 16-lane vector takes two)."""
+    regs = 32 if em.target.avx512 else 16
+    cost = max(1, LANES // em.target.lanes)
+    for cols in sorted((c for c in range(1, n_vecs + 1) if n_vecs % c == 0), reverse=True):
+        for rows in (4, 2):
+            if (rows * cols + cols) * cost + 1 <= regs - 4:
+                return rows, cols
+    return 1, 1
 
 
 def split_kv(em: Emitter, d: dict) -> ir.Value:
