@@ -331,14 +331,16 @@ class MatMulFloat(Kernel):
         if self.a_dtype == "bf16":
             totals = vec_dot_bf16(em, arows, brow, K, self.b_dtype)
         else:
-            totals = vec_dot_rows(em, arows, self.a_dtype, brow, "f32", K, self._asize(), 4)
+            totals = vec_dot_rows(em, arows, self.a_dtype, brow, "f32", K, self._asize(), 4, prefetch=True)
         for r in range(rows):
             em.store(totals[r], Y, em.add(em.mul(n, ldy), em.mul(em.add(m, r), 4)))
 
 
-def vec_dot_rows(em: Emitter, arows, a_dtype: str, brow, b_dtype: str, K, a_step: int, b_step: int) -> list:
+def vec_dot_rows(em: Emitter, arows, a_dtype: str, brow, b_dtype: str, K, a_step: int, b_step: int,
+                 prefetch: bool = False) -> list:
     """ggml_vec_dot_f16/f32 of each a row with one b row (a's type decides the leftovers): four
-    accumulators of the profile's lanes over steps of 4 * lanes, GGML_F32_VEC_REDUCE, leftovers."""
+    accumulators of the profile's lanes over steps of 4 * lanes, GGML_F32_VEC_REDUCE, leftovers.
+    `prefetch`: the a rows are weights streamed once (em.prefetch_ahead along each)."""
     b = em.b
     lanes = vmath.lanes(em)
     step = 4 * lanes
@@ -346,6 +348,9 @@ def vec_dot_rows(em: Emitter, arows, a_dtype: str, brow, b_dtype: str, K, a_step
     accs = [[em.var(vec(F32, lanes), zero) for _ in range(4)] for _ in arows]
     main = em.mul(em.div(K, step), step)
     with em.loop(0, main, step, name="kstep") as k:
+        if prefetch:
+            for arow in arows:
+                em.prefetch_ahead(arow, step * a_step, em.mul(k, a_step))
         bv = [_v(em, brow, em.mul(em.add(k, lanes * q), b_step), b_dtype, lanes) for q in range(4)]
         for r, arow in enumerate(arows):
             for q in range(4):

@@ -94,6 +94,7 @@ class MatMulQ(Kernel):
         izero = ir.Constant(vec(I32, G), [0] * G)
         with em.loop(0, nb, name="blk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+            em.prefetch_ahead(wb, fmt.block_bytes)
             chunks = self._unpack(em, wb)
             ws = self._scales(em, wb, fmt.quant_bytes, fmt.scale)
             wm = self._scales(em, wb, fmt.quant_bytes + fmt.scale_bytes, fmt.min) if fmt.min else None
@@ -232,6 +233,7 @@ def _block_order_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Ou
     accs = {(h, j): em.var(vf, ir.Constant(vf, [0.0] * H)) for h in halves for j in range(len(rows))}
     with em.loop(0, nb, name="blk") as k:
         wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+        em.prefetch_ahead(wb, fmt.block_bytes)
         xq = [em.gep(xr, em.mul(k, fmt.bs)) for xr in rows]
         for h in halves:
             corr = [em.splat(em.load(I32, xr, em.add(off_corr, em.mul(k, 4))), H, I32) for xr in rows]
@@ -260,6 +262,8 @@ def _lanes8_256(fmt: QFormat, K: int, em: Emitter, wg, rows: list, out: _Out256,
     izero = ir.Constant(vi, [0] * H)
     with em.loop(0, nb, name="blk") as k:
         wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+        if 0 in halves:
+            em.prefetch_ahead(wb, fmt.block_bytes)
         for h in halves:
             ws = _half_f16(em, wb, fmt.quant_bytes, h)
 
@@ -405,6 +409,8 @@ class _PairsHalf:
         with em.loop(k0, k1, name="blk") as k:
             wb = em.gep(self.wg, em.get(w_at))
             em.set(w_at, em.b.add(em.get(w_at), em.i64(fmt.block_bytes)))
+            if first and h == 0:
+                em.prefetch_ahead(wb, fmt.block_bytes)
             if first:
                 ws = _half_f16(em, wb, fmt.quant_bytes, h)
                 scale = [self._scale(j, k, ws) for j in range(n)]
@@ -519,6 +525,7 @@ class MatMulQDirect(Kernel):
         has_min = self.dtype in ("q4_1", "q5_1")
         with em.loop(0, nb, name="blk") as k:
             blk = em.gep(arow, em.mul(k, bsize))
+            em.prefetch_ahead(blk, bsize)
             lanes = _block_lanes(em, self.dtype, blk, em.load(int_dot.V32I8, xrow, em.mul(k, 32)))
             d_w = b.fpext(em.load(F16, blk, 0), F32)
             d_x = em.load(F32, xrow, em.add(off_d, em.mul(k, 4)))

@@ -198,6 +198,8 @@ class _Pass:
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
             unpacked = self.scratch is not None and mode != "gemv"     # unpack_group's copy of the values
+            if not unpacked:
+                em.prefetch_ahead(wb, fmt.block_bytes)
             qb = em.gep(self.scratch, em.mul(k, 64 * 64)) if unpacked else wb
             dw = load_d(em, wb, fmt.off_d, G)
             dmin = load_d(em, wb, fmt.off_dmin, G) if fmt.has_min else None
@@ -289,6 +291,7 @@ class _Pass:
         xr = self._row(nt)
         with em.loop(0, self.nb, name="sblk") as k:
             wb = em.gep(wg, em.mul(k, fmt.block_bytes))
+            em.prefetch_ahead(wb, fmt.block_bytes)
             lanes = self._lane_sums(wb, xr, k, lane_vars)
             dx = self._d(xr, k)
             d = b.fmul(em.splat(dx, G), load_d(em, wb, fmt.off_d, G))              # y.d * x.d

@@ -222,6 +222,11 @@ class _Rows:
         self.unpacked = halves[0].unpacked is not None
 
     # -- loads ---------------------------------------------------------------------------------------
+    def _prefetch(self, k) -> None:
+        """Super-block k + a few of the weights ahead, once per super-block (not for an unpacked copy)."""
+        half = self.halves[0]
+        if half.unpacked is None:
+            self.em.prefetch_ahead(half.wg, self.fmt.block_bytes, self.em.mul(k, self.fmt.block_bytes))
 
     def _sc(self, sb, s):
         """Sub-block s's 8 scales (int8) as int16."""
@@ -276,6 +281,7 @@ class _Rows:
         isum = [[em.var(V8I) for _ in rows] for _ in self.halves]
         span = self.ps.gemm_span_subs[fmt.dtype] if mode == "gemm" else fmt.subs
         with em.loop(0, p.nb, name="sblk") as k:
+            self._prefetch(k)
             blocks = [half.blocks(k) for half in self.halves]
             with em.loop(0, fmt.subs // span, name="span") as sp:
                 for slot in (x for per_half in isum for x in per_half):
@@ -368,6 +374,7 @@ class _Rows:
         lane_vars = [em.var(V8I) for _ in range(8)]
         xr = p._row(nt)
         with em.loop(0, p.nb, name="sblk") as k:
+            self._prefetch(k)
             dx = p._d(xr, k)
             for half, accs, accms in zip(self.halves, acc, accm, strict=True):
                 self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms)
