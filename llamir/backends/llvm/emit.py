@@ -38,8 +38,8 @@ def _tname(t: ir.Type) -> str:
 
 # How far ahead of its reads a kernel streaming weights (token generation reads each weight once,
 # from DRAM when they exceed the L3) prefetches: about what one core reads in a DRAM latency. The
-# hardware prefetchers alone left two threads at 65-80% of the read bandwidth on the 1B models;
-# 1-2 KiB ahead measured best (large-q4_0, Emerald Rapids).
+# hardware prefetchers alone left two threads at 58-80% of the read bandwidth on the 1B models;
+# 1-2 KiB ahead measured best (large-q4_0 on Emerald Rapids: 28.8 -> 21.4 ms a token).
 PREFETCH_AHEAD = 1024
 
 
@@ -73,18 +73,21 @@ class Emitter:
         fn = self.declare(name, ret, [a.type for a in args])
         return self.b.call(fn, list(args))
 
-    def prefetch(self, ptr: ir.Value, offset: Val = 0) -> None:
-        """A read prefetch (into L1) of the cache line at ptr + offset; never faults."""
+    def prefetch(self, ptr: ir.Value, offset: Val = 0, into_l1: bool = True) -> None:
+        """A read prefetch of the cache line at ptr + offset, into L1 (or L2); never faults."""
         i32 = ir.IntType(32)
         self.intrinsic("llvm.prefetch.p0", ir.VoidType(), [self.gep(ptr, offset), ir.Constant(i32, 0),
-                                                           ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                                                           ir.Constant(i32, 3 if into_l1 else 2), ir.Constant(i32, 1)])
 
     def prefetch_ahead(self, ptr: ir.Value, n_bytes: int, offset: Val = 0) -> None:
-        """Prefetch the n_bytes a weight stream reads PREFETCH_AHEAD bytes (or one step, if more)
-        after those at ptr + offset: called once per step of a loop that reads n_bytes a step."""
-        ahead = max(PREFETCH_AHEAD, n_bytes)
+        """Prefetch the n_bytes a weight stream reads PREFETCH_AHEAD bytes after those at ptr +
+        offset, into L1; called once per step of a loop that reads n_bytes a step. A step longer
+        than that (a K-quant super-block) prefetches the next step into L2: a whole step's lines
+        at once into L1 would hold up the loads behind the line-fill buffers (q6_k: 8% slower)."""
+        near = n_bytes <= PREFETCH_AHEAD
+        ahead = PREFETCH_AHEAD if near else n_bytes
         for line in range(0, n_bytes, 64):
-            self.prefetch(ptr, self.add(offset, ahead + line))
+            self.prefetch(ptr, self.add(offset, ahead + line), into_l1=near)
 
     # -- integers -----------------------------------------------------------------------------
     def i64(self, v: Val) -> ir.Value:
