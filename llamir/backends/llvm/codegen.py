@@ -6,7 +6,9 @@ expressions once, and calls the kernels stage by stage with a barrier between st
 `i64 llamir_arena_size(ptr frame)` gives the arena bytes the dims in the frame need.
 
 Frame slots: 0 arena, 1 error code, 2 error detail, 3 error site, 4 thread count, 5 a profile
-buffer (or 0), then the dims, the leaf pointers and the output pointers (see FrameLayout).
+buffer (or 0), then the dims, the leaf pointers and the output pointers, then a cache line per
+step whose kernel shares its work by chunks (the chunk counter, zeroed before each run; see
+FrameLayout and Emitter.claimed).
 With a profile buffer, each thread records the cycle counter at the start, after each step and
 after each barrier, in its own row: [start, step 0.., barrier 1..].
 """
@@ -14,7 +16,7 @@ after each barrier, in its own row: [start, step 0.., barrier 1..].
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llvmlite.ir as ir
 
@@ -29,12 +31,23 @@ FIRST_DIM = 6
 ENTRY, ARENA_SIZE = "llamir_split", "llamir_arena_size"
 
 
+COUNTER_SLOTS = 8       # a chunk counter's own cache line
+
+
 @dataclass
 class FrameLayout:
     dims: dict[str, int]
     leaves: dict[str, int]
     outputs: dict[str, int]
     size: int
+    counters: dict[int, int] = field(default_factory=dict)   # step index -> its chunk counter's slot
+
+    @property
+    def counter_slots(self) -> slice:
+        """The frame's counter lines (to zero before a run)."""
+        if not self.counters:
+            return slice(0, 0)
+        return slice(min(self.counters.values()), self.size)
 
     @classmethod
     def of(cls, plan: Plan) -> FrameLayout:
@@ -54,7 +67,13 @@ class FrameLayout:
         for name in plan.packed:
             leaves[name] = slot
             slot += 1
-        return cls(dims, leaves, outputs, slot)
+        counters = {}
+        for i, step in enumerate(plan.steps):
+            if step.kernel.shares_work:
+                slot += -slot % COUNTER_SLOTS
+                counters[i] = slot
+                slot += COUNTER_SLOTS
+        return cls(dims, leaves, outputs, slot, counters)
 
 
 @dataclass
@@ -66,6 +85,7 @@ class KernelArgs:
     ptrs: list[ir.Value]
     ints: list[Val]
     frame: ir.Value
+    counter: ir.Value | None = None    # the step's chunk counter (a kernel that shares_work)
 
 
 def report_error(em: Emitter, frame: ir.Value, code: int, detail: ir.Value, site: Val) -> None:
@@ -85,19 +105,25 @@ def kernel_symbol(kernel: Kernel) -> str:
     return f"llamir_{type(kernel).__name__}_{digest}"
 
 
+def kernel_fn_type(kernel: Kernel) -> ir.FunctionType:
+    """void (i32 ith, i32 nth, ptr x n_ptrs, i64 x run-time ints, ptr frame[, ptr counter])."""
+    n_rt = sum(1 for p in kernel.pattern if p is None)
+    tail = [PTR, PTR] if kernel.shares_work else [PTR]
+    return ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + tail)
+
+
 def kernel_module(kernel: Kernel, target: Target) -> ir.Module:
     """A module defining one kernel function (external, named by kernel_symbol)."""
     module = ir.Module(kernel_symbol(kernel))
     module.triple = target.triple
-    n_rt = sum(1 for p in kernel.pattern if p is None)
-    fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
-    fn = ir.Function(module, fnty, kernel_symbol(kernel))
+    fn = ir.Function(module, kernel_fn_type(kernel), kernel_symbol(kernel))
     args = list(fn.args)
+    counter = args.pop() if kernel.shares_work else None
     em = Emitter(module, fn, target, kernel.numerics)
     rt = iter(args[2 + kernel.n_ptrs:-1])
     ints: list[Val] = [p if p is not None else next(rt) for p in kernel.pattern]
     kargs = KernelArgs(em.b.zext(args[0], I64), em.b.zext(args[1], I64), args[2:2 + kernel.n_ptrs], ints,
-                       args[-1])
+                       args[-1], counter)
     kernel.emit(em, kargs)
     em.finish()
     return module
@@ -130,9 +156,7 @@ class ModuleBuilder:
         symbol = kernel_symbol(kernel)
         fn = self.kernels.get(symbol)
         if fn is None:
-            n_rt = sum(1 for p in kernel.pattern if p is None)
-            fnty = ir.FunctionType(VOID, [I32, I32] + [PTR] * kernel.n_ptrs + [I64] * n_rt + [PTR])
-            fn = self.kernels[symbol] = ir.Function(self.module, fnty, symbol)
+            fn = self.kernels[symbol] = ir.Function(self.module, kernel_fn_type(kernel), symbol)
         return fn
 
     # -- the entry -------------------------------------------------------------------------------
@@ -172,7 +196,8 @@ class ModuleBuilder:
                 ptrs = [self._pointer(em, frame, p, ith64, values, bases) for p in step.ptrs]
                 rt = [em.i64(self._expr(em, frame, v, values))
                       for v, p in zip(step.kernel.ints, step.kernel.pattern, strict=True) if p is None]
-                b.call(kfn, [ith, nth] + ptrs + rt + [frame])
+                counter = [em.gep(frame, self.layout.counters[index[id(step)]] * 8)] if step.kernel.shares_work else []
+                b.call(kfn, [ith, nth] + ptrs + rt + [frame] + counter)
                 stamp(1 + index[id(step)])
         em.finish()
 

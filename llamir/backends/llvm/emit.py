@@ -250,6 +250,10 @@ class Emitter:
         b.branch(head)
         b.position_at_end(done)
 
+    def claims(self, a) -> Claims:
+        """Work sharing by chunks for a kernel that shares_work (KernelArgs `a`): see Claims."""
+        return Claims(self, a.ith, a.nth, a.counter)
+
     def tiles(self, start: Val, stop: Val, width: int, tile: Callable[[Val, int], None], name: str = "t") -> None:
         """tile(t, w) over [start, stop): full tiles of `width` in a loop, then the remainder, with
         its width compiled in (one branch per possible remainder)."""
@@ -386,3 +390,62 @@ STORAGE_TYPES = {"f32": F32, "f16": F16, "bf16": I16, "i32": I32, "i64": I64, "i
 def storage_type(dtype_name: str) -> ir.Type:
     """The IR element type a value of this (non-quantized) dtype is stored as."""
     return STORAGE_TYPES[dtype_name]
+
+
+class Claims:
+    """The chunks of one kernel call's loops, claimed by its threads as ggml's mul_mat claims its
+    chunks: a thread takes value ith first, then nth plus an atomic increment of the step's
+    counter (zeroed before each run), so every value goes to one thread. The loops of a call
+    (planes, modes, blocks of tokens) number their chunks one after another, each from where the
+    last left off, and a thread carries the value it holds from one loop into the next: one counter
+    serves them all and no thread waits between them. A thread that runs ahead (its core's share
+    of the memory bandwidth, another process) takes more chunks instead of waiting at the barrier."""
+
+    def __init__(self, em: Emitter, ith: ir.Value, nth: ir.Value, counter: ir.Value):
+        if counter is None:
+            raise ValueError("Claims need the step's counter: the kernel must declare shares_work")
+        self.em, self.nth, self.counter = em, nth, counter
+        self.cursor = em.var(I64, em.i64(ith), "claim")     # the value this thread holds
+        self.base = em.var(I64, ir.Constant(I64, 0), "claims_before")   # chunks of the earlier loops
+
+    @contextmanager
+    def chunks(self, n: Val, name: str = "chunk") -> Iterator[ir.Value]:
+        """For each of chunks 0..n-1 of this loop that this thread claims: yields the chunk (i64)."""
+        em = self.em
+        b = em.b
+        base = em.get(self.base)
+        head = em.fn.append_basic_block(f"{name}.head")
+        body = em.fn.append_basic_block(f"{name}.body")
+        done = em.fn.append_basic_block(f"{name}.done")
+        b.branch(head)
+        b.position_at_end(head)
+        local = b.sub(em.get(self.cursor), base)
+        b.cbranch(b.icmp_signed("<", local, em.i64(n)), body, done)
+        b.position_at_end(body)
+        yield local
+        taken = b.atomic_rmw("add", self.counter, ir.Constant(I64, 1), "monotonic")
+        em.set(self.cursor, b.add(taken, em.i64(self.nth)))
+        b.branch(head)
+        b.position_at_end(done)
+        em.set(self.base, b.add(base, em.i64(n)))
+
+    @contextmanager
+    def ranges(self, n: Val, per: int, passes: Val = 1, name: str = "chunk") -> Iterator[tuple]:
+        """Chunks of range(n) for each of `passes` passes over it: yields (pass, start, stop). Each
+        pass is one contiguous share a thread (as Emitter.split would give, of the first 7/8 of the
+        range) and then chunks of `per` units: a thread mostly reads one long stream, as in a static
+        split (small chunks that interleave the threads' reads cost a DRAM-bound GEMV 10-20%), and
+        the last eighth goes to whichever threads get there first."""
+        em = self.em
+        b = em.b
+        nth = em.i64(self.nth)
+        tail = em.mul(em.cdiv(em.div(n, 8), per), per)
+        own = em.div(em.sub(n, em.min(tail, n)), nth)
+        per_pass = em.add(nth, em.cdiv(em.sub(n, em.mul(own, nth)), per))
+        with self.chunks(em.mul(passes, per_pass), name) as c:
+            local = em.rem(c, per_pass)
+            mine = em.icmp("<", local, nth)
+            start = b.select(mine, em.i64(em.mul(local, own)),
+                             em.i64(em.add(em.mul(own, nth), em.mul(em.sub(local, nth), per))))
+            size = b.select(mine, em.i64(own), em.i64(per))
+            yield em.div(c, per_pass), start, em.min(em.add(start, size), n)

@@ -81,6 +81,7 @@ class CompiledSplit:
         self._debug: CompiledSplit | None = None
         self.frame = np.zeros(layout.size, dtype=np.int64)
         self._frame_ptr = self.frame.ctypes.data
+        self._counters = layout.counter_slots      # the work-sharing steps' chunk counters
         self.arena = np.zeros(0, dtype=np.uint8)
         self._arena_cap = 0
         self._dims = [(name, layout.dims[name]) for name in plan.dim_names]
@@ -275,6 +276,7 @@ class CompiledSplit:
             base = self.arena.__array_interface__["data"][0]
             frame[ARENA] = base + (-base % 64)
         frame[ERR_CODE] = 0
+        frame[self._counters] = 0
         self.pool.run(self._entry, self._frame_ptr)
         if frame[ERR_CODE]:
             code, detail, site = int(frame[ERR_CODE]), int(frame[ERR_DETAIL]), int(frame[ERR_SITE])

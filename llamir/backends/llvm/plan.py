@@ -112,7 +112,7 @@ class Part:
 
 
 class Kernel(ABC):
-    """A generated function `void k(i32 ith, i32 nth, ptr..., i64..., ptr frame)`.
+    """A generated function `void k(i32 ith, i32 nth, ptr..., i64..., ptr frame[, ptr counter])`.
 
     `ints` are the kernel's integer parameters: ints are compiled in (they are part of the key,
     so kernels that differ only in run-time values share one function); expressions become
@@ -123,6 +123,9 @@ class Kernel(ABC):
     n_ptrs: int = 0
     numerics: Numerics = AVX512     # the profile the code reproduces (set by the lowering, part of the key)
     runtime_ints: ClassVar[tuple[int, ...]] = ()
+    # whether the threads claim chunks of the work (Emitter.claimed) rather than split it evenly:
+    # the function then takes one more pointer after the frame, its step's chunk counter
+    shares_work: ClassVar[bool] = False
 
     def __init__(self, ints: Sequence[Expr] = ()):
         self.ints = tuple(ints)

@@ -134,6 +134,8 @@ class MatMulFloat(Kernel):
     """y [B0, B1, N, M] f32 (contiguous) from a [A0, A1, M, K] and b [B0, B1, N, K] (rows of
     both contiguous along K; any row/batch strides)."""
 
+    shares_work = True      # ggml_vec_dot's units of M_UNIT rows (Claims.ranges); tinyBLAS splits evenly
+
     def __init__(self, y: Ref, a: Ref, b: Ref, b_dtype: str, sgemm: bool):
         y, a, b = y.padded(), a.padded(), b.padded()
         self.a_dtype, self.b_dtype = a.dtype.name, b_dtype
@@ -173,7 +175,8 @@ class MatMulFloat(Kernel):
         with em.if_else(self._tinyblas_ok(em, N, M, K)) as (then, otherwise):
             with then:
                 self._tiles(em, unit, u0, u1, scratch, N, K, astr[2], bstr[2], ystr[2])
-            with otherwise, em.loop(u0, u1, name="unit") as u:
+            with otherwise, em.claims(a).ranges(em.mul(batches, m_units), 1) as (_, c0, c1), \
+                    em.loop(c0, c1, name="unit") as u:
                 A, B, Y, m0, m1 = unit(u)
                 self._vec_dots(em, A, B, Y, m0, m1, N, K, astr[2], bstr[2], ystr[2])
 

@@ -25,6 +25,7 @@ from llamir.backends.llvm.kernels.repack import G, QFormat
 from llamir.backends.llvm.plan import Kernel
 
 L2_BUDGET = 1 << 20
+CHUNK_GROUPS = 1         # groups of 16 weight rows per claimed chunk of the tail
 
 
 def dpbusd(em: Emitter, acc, w_u8, x_s8):
@@ -49,6 +50,7 @@ class MatMulQ(Kernel):
     """y [N, M] f32 = act [N, K] (quantized rows) x packed weight [M, K]."""
 
     runtime_ints = (1,)     # M is only a loop bound: weights of any height share one function
+    shares_work = True      # chunks of CHUNK_GROUPS groups (ggml's 64 rows) for each block of tokens
 
     def __init__(self, fmt: QFormat, K: int, n_rows, m_rows: int):
         self.fmt = fmt
@@ -69,11 +71,12 @@ class MatMulQ(Kernel):
             emit_pairs(self.fmt, self.K, em, a)
             return
         groups = em.cdiv(M, G)
-        g0, g1 = em.split(groups, a.ith, a.nth)
         rn = self.rn if wide else tile_tokens_256(self.fmt)
         tile = self._tile if wide else functools.partial(tile_256, self.fmt, self.K)
         n_block = max(rn, (L2_BUDGET // row_bytes) // rn * rn)
-        with em.loop(0, N, n_block, name="nb") as n0, em.loop(g0, g1, name="grp") as g:
+        with em.claims(a).ranges(groups, CHUNK_GROUPS, em.cdiv(N, n_block)) as (nbi, g0, g1), \
+                em.loop(g0, g1, name="grp") as g:
+            n0 = em.mul(nbi, n_block)
             n1 = em.min(em.add(n0, n_block), N)
             wg = em.gep(w_ptr, em.mul(g, nb * self.fmt.block_bytes))
             valid = em.min(em.sub(M, em.mul(g, G)), G)
@@ -320,10 +323,11 @@ def emit_pairs(fmt: QFormat, K: int, em: Emitter, a) -> None:
     scratch = _PairsScratch(x16=_stack_array(em, ir.ArrayType(I16, T * K), "x16"),
                             scales=_stack_array(em, ir.ArrayType(F32, T * PAIRS_K_BLOCKS * H), "scales"),
                             accs=_stack_array(em, ir.ArrayType(F32, T * fmt.chunks * H), "accs"))
-    g0, g1 = em.split(em.cdiv(M, G), a.ith, a.nth)
     n_block = max(T, (L2_BUDGET // row_bytes) // T * T)
     per_block = max(1, PAIRS_GROUP_BYTES // (nb * fmt.block_bytes))
-    with em.loop(0, N, n_block, name="nb") as n0, em.loop(g0, g1, per_block, name="gblk") as gb:
+    with em.claims(a).ranges(em.cdiv(M, G), CHUNK_GROUPS, em.cdiv(N, n_block)) as (nbi, g0, g1), \
+            em.loop(g0, g1, per_block, name="gblk") as gb:
+        n0 = em.mul(nbi, n_block)
         n1 = em.min(em.add(n0, n_block), N)
         gb1 = em.min(em.add(gb, per_block), g1)
 

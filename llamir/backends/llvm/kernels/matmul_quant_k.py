@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import llvmlite.ir as ir
 
-from llamir.backends.llvm.emit import F32, I8, I16, I32, Emitter, vec
+from llamir.backends.llvm.emit import F32, I8, I16, I32, Claims, Emitter, vec
 from llamir.backends.llvm.kernels.matmul_quant_k8 import Pass8, lane_fmas, lane_total, load_chunks, load_d, unpack_group
 from llamir.backends.llvm.kernels.quant_act import KActLayout
 from llamir.backends.llvm.kernels.repack_k import G, KFormat
@@ -69,6 +69,7 @@ class MatMulQK(Kernel):
     """y [P, N, M] f32 = Q8_K rows [P, N] x a K-quant weight [M, K] in ggml's order for it."""
 
     runtime_ints = (2,)     # M is only a loop bound: weights of any height share one function
+    shares_work = True      # the groups of each block of tokens, mode and plane (Claims.ranges)
 
     def __init__(self, fmt: KFormat, K: int, planes, rows, m_rows: int, repacked: bool):
         self.fmt = fmt
@@ -84,11 +85,10 @@ class MatMulQK(Kernel):
 
     def emit(self, em: Emitter, a) -> None:
         P, N, M = a.ints
-        groups = em.cdiv(M, G)
-        g0, g1 = em.split(groups, a.ith, a.nth)
+        claims = em.claims(a)
         with em.loop(0, P, name="plane") as p:
             first = em.mul(p, N)
-            run = _Pass(self, em, a.ptrs, M, g0, g1, first)
+            run = _Pass(self, em, a.ptrs, M, claims, first)
             if not em.target.avx512:           # 256-bit vectors: 8-row halves (matmul_quant_k8.py)
                 run = Pass8(run, L2_BUDGET, GEMM_SPAN_SUBS)
             if self.repacked:
@@ -108,8 +108,9 @@ class _Pass:
     super-block the kernels loop over sub-blocks (or 32-value blocks) at run time, so a loop body
     holds one sub-block's chunks and stays in registers."""
 
-    def __init__(self, kernel: MatMulQK, em: Emitter, ptrs, M, g0, g1, first):
-        self.k, self.em, self.M, self.g0, self.g1, self.first = kernel, em, M, g0, g1, first
+    def __init__(self, kernel: MatMulQK, em: Emitter, ptrs, M, claims: Claims, first):
+        self.k, self.em, self.M, self.claims, self.first = kernel, em, M, claims, first
+        self.groups = em.cdiv(M, G)
         self.y_ptr, self.w_ptr, self.x_ptr = ptrs[:3]
         self.scratch = ptrs[3] if kernel.scratch_bytes else None     # unpack_group's copy
         self.fmt = kernel.fmt
@@ -120,9 +121,11 @@ class _Pass:
         em = self.em
         rn = RN if mode in ("gemm", "tiled") else 1
         n_block = max(rn, (L2_BUDGET // self.row_bytes) // rn * rn)
-        with em.loop(n_start, n_end, n_block, name=f"{mode}.nb") as n0:
+        blocks = em.cdiv(em.sub(n_end, n_start), n_block)
+        with self.claims.ranges(self.groups, 1, blocks, name=f"{mode}.chunk") as (nbi, g0, g1):
+            n0 = em.add(n_start, em.mul(nbi, n_block))
             n1 = em.min(em.add(n0, n_block), n_end)
-            with em.loop(self.g0, self.g1, name=f"{mode}.grp") as g:
+            with em.loop(g0, g1, name=f"{mode}.grp") as g:
                 wg = em.gep(self.w_ptr, em.mul(g, self.nb * self.fmt.block_bytes))
                 valid = em.min(em.sub(self.M, em.mul(g, G)), G)
                 if mode == "lanes" or mode == "gemv":   # one row at a time (gemv: at most 3 of them)

@@ -170,9 +170,11 @@ class Pass8:
         p, em = self.p, self.em
         rn = RN8 if mode in ("gemm", "tiled") else 1
         n_block = max(rn, (self.l2_budget // p.row_bytes) // rn * rn)
-        with em.loop(n_start, n_end, n_block, name=f"{mode}.nb") as n0:
+        blocks = em.cdiv(em.sub(n_end, n_start), n_block)
+        with p.claims.ranges(p.groups, 1, blocks, name=f"{mode}.chunk") as (nbi, g0, g1):
+            n0 = em.add(n_start, em.mul(nbi, n_block))
             n1 = em.min(em.add(n0, n_block), n_end)
-            with em.loop(p.g0, p.g1, name=f"{mode}.grp") as g:
+            with em.loop(g0, g1, name=f"{mode}.grp") as g:
                 wg = em.gep(p.w_ptr, em.mul(g, p.nb * self.fmt.block_bytes))
                 if mode in ("lanes", "gemv"):
                     halves = [_Half(self, wg, g, h) for h in range(2)]

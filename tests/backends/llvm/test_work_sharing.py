@@ -1,0 +1,68 @@
+"""The matmuls whose threads claim chunks of the work (Kernel.shares_work, Emitter.claims) against
+the numpy reference, bit for bit, at thread counts other than two: one thread (it claims every
+chunk), and more threads than some weights have chunks. The K-quant kernels run several claimed
+loops in one call (planes of a batched activation, the repacked gemm and gemv modes), which share
+one counter; every call runs twice, since the counters must start from zero each run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamir.backends.llvm import LLVMBackend
+from llamir.backends.llvm.codegen import FrameLayout
+from llamir.backends.llvm.target import host_target, restricted_target
+from llamir.ir import F16, F32, GraphBuilder, dtype_named, quants, run_graph
+
+pytestmark = pytest.mark.slow
+f32 = np.float32
+_BACKENDS: dict = {}
+
+
+def backend(n_threads: int, avx2_only: bool) -> LLVMBackend:
+    key = (n_threads, avx2_only)
+    if key not in _BACKENDS:
+        target = restricted_target(host_target(), ("avx512", "avxvnni")) if avx2_only else None
+        _BACKENDS[key] = LLVMBackend(n_threads=n_threads, disk_cache=False, target=target,
+                                     numerics="avx2" if avx2_only else None)
+    return _BACKENDS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_backends():
+    yield
+    for b in _BACKENDS.values():
+        b.close()
+    _BACKENDS.clear()
+
+
+def _weight(rng, name: str, m: int, k: int) -> np.ndarray:
+    w = rng.normal(0, 0.05, (m, k)).astype(f32)
+    if name == "f16":
+        return w.astype(np.float16)
+    return quants.quantize(w, dtype_named(name))
+
+
+@pytest.mark.parametrize("avx2_only", [False, True], ids=["host", "avx2-only"])
+@pytest.mark.parametrize("n_threads", [1, 3, 4])
+@pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_k", "q6_k", "f16"])
+def test_claimed_chunks_cover_every_row_once(n_threads, avx2_only, name):
+    rng = np.random.default_rng(3)
+    k = 256
+    b = backend(n_threads, avx2_only)
+    for m, batch in [(16, 0), (208, 2), (1000, 0)]:    # 1, 13 and 63 groups of 16 rows
+        g = GraphBuilder("g", dims=["T"])
+        x_shape = [batch, "T", k] if batch else ["T", k]
+        wtype = F16 if name == "f16" else dtype_named(name)
+        g.output("y", g.mul_mat(g.weight("w", [m, k], wtype), g.input("x", x_shape, F32)))
+        w = _weight(rng, name, m, k)
+        run = b.compile(g.graph)
+        assert FrameLayout.of(run.plan).counters, "the matmul should claim its chunks"
+        for n in (1, 5, 9):      # token generation; repacked gemm in fours + gemv; tiled
+            x = rng.normal(0, 1, [batch, n, k] if batch else [n, k]).astype(f32)
+            want = run_graph(g.graph, {"w": w, "x": x}, {"T": n}, numerics=b.numerics)["y"]
+            for again in range(2):
+                got = run({"w": w, "x": x}, {"T": n})["y"]
+                differ = got.view(np.uint32) != want.view(np.uint32)
+                assert not differ.any(), (f"{name} [{m}, {k}] batch {batch} N={n} on {n_threads} threads "
+                                          f"(run {again + 1}): {int(differ.sum())} of {got.size} values differ")
