@@ -195,11 +195,13 @@ class CompiledSplit:
             raise BackendError(f"no value for leaf {err.args[0]!r}") from None
         if not all(map(operator.is_, fixed, self._fixed_last)):
             self.binding += 1
-            for spec, arr in zip(self._fixed, fixed, strict=True):
-                if arr is not spec.last:
-                    spec.bound = self._check_leaf(spec, arr, spec.shape)   # kept: it may be a copy
-                    self._bind_leaf(spec, spec.bound)
-                    spec.last = arr
+            changed = [(spec, arr) for spec, arr in zip(self._fixed, fixed, strict=True) if arr is not spec.last]
+            for spec, arr in changed:
+                spec.bound = self._check_leaf(spec, arr, spec.shape)   # kept: it may be a copy
+            PACKED.prepare([(spec.bound, fmt) for spec, _ in changed for _, fmt in self._packed.get(spec.name, ())])
+            for spec, arr in changed:
+                self._bind_leaf(spec, spec.bound)
+                spec.last = arr
             self._fixed_last = [spec.last for spec in self._fixed]
         # per-batch inputs: refilled in place since the last call (a generated token's), all of
         # them are bound already; one identity and shape pass says so

@@ -20,8 +20,10 @@ The arithmetic the kernel does per block (see QFormat.order) follows the referen
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,9 +114,9 @@ def _split(raw: np.ndarray, fmt: QFormat):
         blocks = raw.reshape(m, -1, {"q4_0": 18, "q8_0": 34, "q4_1": 20, "q5_0": 22, "q5_1": 24}[fmt.dtype])
         if fmt.dtype == "q4_0":
             return _nibbles32(blocks[..., 2:18]), _f16_bits(blocks, 0), None
-        if fmt.dtype == "q8_0":
-            q = blocks[..., 2:34].view(np.int8).astype(np.int16) + fmt.offset
-            return q.astype(np.uint8), _f16_bits(blocks, 0), None
+        if fmt.dtype == "q8_0":   # int8 + offset stored as uint8: the same bits as a wrapping uint8 add
+            q = np.add(blocks[..., 2:34], np.uint8(fmt.offset % 256), dtype=np.uint8)
+            return q, _f16_bits(blocks, 0), None
         if fmt.dtype == "q4_1":
             return _nibbles32(blocks[..., 4:20]), _f16_bits(blocks, 0), _f16_bits(blocks, 2)
         if fmt.dtype == "q5_0":
@@ -141,13 +143,16 @@ def repack(raw: np.ndarray, fmt) -> np.ndarray:
         q = np.concatenate([q, np.zeros((pad, nb, bs), np.uint8)])
         scale = np.concatenate([scale, np.zeros((pad, nb), scale.dtype)])
         mins = None if mins is None else np.concatenate([mins, np.zeros((pad, nb), mins.dtype)])
-    q = q.reshape(groups, G, nb, fmt.chunks, 4).transpose(0, 2, 3, 1, 4)       # [g, nb, C, 16, 4]
-    if fmt.packing == "pairs":   # [g, nb, C, half, pair, 8 rows, 2]
-        q = q.reshape(groups, nb, fmt.chunks, 2, 8, 2, 2).transpose(0, 1, 2, 3, 5, 4, 6)
+    # the transposes move whole 4-value chunks (2-value pairs): one uint32 (uint16) an element
+    q = np.ascontiguousarray(q).view(np.uint32).reshape(groups, G, nb, fmt.chunks)
+    q = q.transpose(0, 2, 3, 1)                                                 # [g, nb, C, 16] chunks
+    if fmt.packing == "pairs":   # [g, nb, C, half, pair, 8 rows] pairs
+        q = np.ascontiguousarray(q).view(np.uint16).reshape(groups, nb, fmt.chunks, 2, 8, 2)
+        q = q.transpose(0, 1, 2, 3, 5, 4)
     if fmt.packing == "nib":
         half = fmt.chunks // 2
         q = q[:, :, :half] | (q[:, :, half:] << 4)
-    parts = [q.reshape(groups, nb, -1)]
+    parts = [np.ascontiguousarray(q).view(np.uint8).reshape(groups, nb, -1)]
     for arr, kind in ((scale, fmt.scale), (mins, fmt.min)):
         if arr is None or not kind:
             continue
@@ -169,7 +174,7 @@ class PackedWeights:
         self._cache: dict[tuple, tuple] = {}
 
     def get(self, raw: np.ndarray, fmt) -> np.ndarray:
-        key = (raw.__array_interface__["data"][0], raw.shape, raw.strides, fmt)
+        key = self._key(raw, fmt)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None and hit[0]() is not None:
@@ -180,6 +185,21 @@ class PackedWeights:
                 del self._cache[k]
             self._cache[key] = (weakref.ref(raw), packed)
         return packed
+
+    def prepare(self, pairs) -> None:
+        """Pack the (raw, fmt) pairs not packed yet, on a thread each CPU (numpy lets go of the GIL
+        in the copies and the bit operations): a model's first call packs all its weights."""
+        with self._lock:
+            todo = [(raw, fmt) for raw, fmt in pairs if (hit := self._cache.get(self._key(raw, fmt))) is None
+                    or hit[0]() is None]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda pair: self.get(*pair), todo))
+
+    @staticmethod
+    def _key(raw: np.ndarray, fmt) -> tuple:
+        return (raw.__array_interface__["data"][0], raw.shape, raw.strides, fmt)
 
     def clear(self) -> None:
         with self._lock:

@@ -128,11 +128,16 @@ def _values(b: np.ndarray, dtype: str):
         if dtype == "q5_k":
             q = q + 16 * ((b[:, None, 16:48] >> bits) & 1)
         return q.reshape(-1, QK_K), sc.astype(np.int16), mn.astype(np.int16), _f16(b, 0), _f16(b, 2)
-    ql = b[:, 0:128].reshape(-1, 2, 2, 32)
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)
-    qh = (b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-    q = (low | (qh << 4)).reshape(-1, QK_K)                                        # q + 32, 0..63
+    # in 64-bit words (8 values a word: each byte's fields shift and mask within the byte)
+    ql = np.ascontiguousarray(b[:, 0:128]).view(np.uint64).reshape(-1, 2, 2, 4)
+    low = np.concatenate([ql & _BYTES_0F, (ql >> np.uint64(4)) & _BYTES_0F], axis=2)
+    qh = np.ascontiguousarray(b[:, 128:192]).view(np.uint64).reshape(-1, 2, 1, 4)
+    qh = (qh >> np.array([0, 2, 4, 6], np.uint64).reshape(1, 1, 4, 1)) & _BYTES_03
+    q = (low | (qh << np.uint64(4))).view(np.uint8).reshape(-1, QK_K)             # q + 32, 0..63
     return q, b[:, 192:208].view(np.int8).astype(np.int16), None, _f16(b, 208), None
+
+
+_BYTES_0F, _BYTES_03 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0303030303030303)
 
 
 def _pad_rows(a: np.ndarray, groups: int) -> np.ndarray:
@@ -180,8 +185,9 @@ def repack_k(raw: np.ndarray, fmt: KFormat) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):
         q, sc, mn, d, dmin = _values(raw.reshape(-1, size), fmt.dtype)
     groups = -(-m // G)
-    q = _pad_rows(q.reshape(m, nb, 64, 4), groups).reshape(groups, G, nb, 64, 4).transpose(0, 2, 3, 1, 4)
-    parts = [_planes(np.ascontiguousarray(q, dtype=np.uint8).reshape(groups, nb, 64, 64), fmt.dtype)]
+    q = np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32)      # a 4-value chunk a word
+    q = _pad_rows(q.reshape(m, nb, 64), groups).reshape(groups, G, nb, 64).transpose(0, 2, 3, 1)
+    parts = [_planes(np.ascontiguousarray(q).view(np.uint8).reshape(groups, nb, 64, 64), fmt.dtype)]
     sc = _pad_rows(sc.reshape(m, nb, fmt.subs), groups).reshape(groups, G, nb, fmt.subs).transpose(0, 2, 3, 1)
     parts.append(np.ascontiguousarray(sc, dtype=np.int8).view(np.uint8).reshape(groups, nb, -1))
     if mn is not None:   # [g, 16, nb, S/2, 2] -> [g, nb, S/2, 16, 2]

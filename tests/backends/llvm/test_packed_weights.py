@@ -1,0 +1,28 @@
+"""The process-wide cache of repacked weights: prepare() packs a model's weights on several
+threads, and what it packs is what get() returns, bit for bit the serial repack."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llamir.backends.llvm.kernels.repack import PackedWeights, repack, weight_format
+from llamir.backends.llvm.kernels.repack_k import K_FORMATS
+from llamir.ir import dtype_named, quants
+
+
+def test_prepare_packs_each_missing_weight_once_and_get_returns_it():
+    rng = np.random.default_rng(5)
+    cache = PackedWeights()
+    weights = []
+    for name in ("q4_0", "q8_0", "q5_1", "q6_k", "q4_k"):
+        for m in (40, 64):
+            w = quants.quantize(rng.normal(0, 1, (m, 512)).astype(np.float32), dtype_named(name))
+            weights.append((w, K_FORMATS.get(name) or weight_format(name, m)))
+    first = cache.get(*weights[0])                 # already packed: prepare leaves it as it is
+    cache.prepare(weights)
+    assert cache.get(*weights[0]) is first
+    for w, fmt in weights:
+        got = cache.get(w, fmt)
+        assert got is cache.get(w, fmt)            # a hit, not a second packing
+        want = repack(w, fmt)
+        assert got.shape == want.shape and (got == want).all(), fmt
