@@ -231,12 +231,31 @@ class KVCache:
             if n_tokens > cells.size:
                 log.error("find_slot: n_tokens = %d > size = %d", n_tokens, cells.size)
                 return None
-            found = self._scan(cells, head, n_tokens, cont)
+            if cont or self.n_swa:
+                found = self._scan(cells, head, n_tokens, cont)
+            else:
+                found = self.free_cells(stream, n_tokens)
             if found is None:
                 return None
             strm.append(stream)
             idxs.append(np.asarray(found, dtype=np.int64))
         return SlotInfo(strm, idxs)
+
+    def free_cells(self, stream: int, n_tokens: int) -> np.ndarray | None:
+        """find_slot's cells for n_tokens that need not be contiguous, without SWA (every usable
+        cell is an empty one): the first n_tokens empty cells from the stream's head on, wrapping
+        round; None when there are fewer."""
+        cells = self.v_cells[stream]
+        head = self.v_heads[stream]
+        if head > cells.get_used() + 2 * n_tokens or head >= cells.size:
+            head = 0
+        if n_tokens == 1 and cells.pos[head] == -1:   # a generated token, usually
+            return np.array([head], dtype=np.int64)
+        empty = cells.pos == -1
+        found = np.flatnonzero(empty[head:]) + head
+        if len(found) < n_tokens:
+            found = np.concatenate([found, np.flatnonzero(empty[:head])])
+        return found[:n_tokens] if len(found) >= n_tokens else None
 
     def _scan(self, cells: KVCells, head: int, n_tokens: int, cont: bool) -> list[int] | None:
         found: list[int] = []

@@ -113,25 +113,13 @@ class TokenStep:
                 return None
         if not 0 <= p <= POS_LIMIT:
             return None
-        # the slot: find_slot's scan for one token, which takes the first empty cell from the head
-        head = memory.v_heads[0]
-        size = cells.size
-        if head > cells.get_used() + 2 or head >= size:
-            head = 0
-        pos = cells.pos
-        if pos[head] == -1:
-            idx = head
-        else:
-            free = np.flatnonzero(pos[head:] == -1)
-            if len(free):
-                idx = head + int(free[0])
-            else:
-                free = np.flatnonzero(pos[:head] == -1)
-                if not len(free):
-                    return None
-                idx = int(free[0])
+        # the slot: find_slot's, the first empty cell from the head
+        found = memory.free_cells(0, 1)
+        if found is None:
+            return None
+        idx = int(found[0])
         # the graph is the one to reuse only while n_kv (the used prefix padded to 256) stays
-        if padded_n_kv(size, max(cells.used_max_p1(), idx + 1)) != self.n_kv:
+        if padded_n_kv(cells.size, max(cells.used_max_p1(), idx + 1)) != self.n_kv:
             return None
 
         perf = ctx.perf_counters

@@ -272,3 +272,26 @@ def test_edge_arguments_llama_cpp_accepts_give_its_answers(model):
             assert getattr(ctx.memory, name)(*map(np.int64, args)) == getattr(oracle, name)(*args)
             got = [(ctx.memory.seq_pos_min(s), ctx.memory.seq_pos_max(s)) for s in ids]
             assert got == [(oracle.seq_pos_min(s), oracle.seq_pos_max(s)) for s in ids], (name, args)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_free_cells_is_the_single_cell_scan(model, data):
+    """KVCache.free_cells (vectorised, used by find_slot and the token lane) takes the cells the
+    cell-by-cell scan (llama_kv_cache::find_slot without cont) takes, from any head and occupancy."""
+    size = data.draw(st.sampled_from([8, 33, 256]))
+    kv = KVCache(model.hparams, size, 1)
+    cells = kv.v_cells[0]
+    for idx in data.draw(st.lists(st.integers(0, size - 1), max_size=size, unique=True)):
+        cells.pos_set(idx, idx)
+        cells.seq_add(idx, 0)
+    kv.v_heads[0] = data.draw(st.integers(0, size))
+    n_tokens = data.draw(st.integers(1, size))
+    head = kv.v_heads[0]
+    if head > cells.get_used() + 2 * n_tokens:
+        head = 0
+    want = kv._scan(cells, head, n_tokens, False)
+    got = kv.free_cells(0, n_tokens)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.tolist() == want
