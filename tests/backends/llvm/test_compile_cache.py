@@ -192,3 +192,22 @@ def test_runtime_ints_share_a_kernel_between_dims(tmp_path, monkeypatch):
     backend.compile(_quant_graph(64))
     assert backend.compile_stats.cache == "miss (1 new kernels)"    # compiled in: one kernel per height
     LLVMBackend._shared_caches.clear()
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_a_new_context_size_compiles_no_kernels(tmp_path, flash_attn):
+    """The KV cache's strides (flash attention's K and V, set_rows' destination, the K/V matmuls'
+    a rows) are run-time arguments: a context of another size builds only its entry."""
+    import llamir
+
+    path = write_model(tmp_path / "m.gguf", SynthSpec(n_layer=1, dtype="f16"))
+    model = llamir.load_model(path)
+    backend = LLVMBackend(n_threads=2, cache_dir=tmp_path / "cache")
+    logits = []
+    for n_ctx in (256, 512):
+        ctx = llamir.Context(model, n_ctx=n_ctx, n_batch=32, n_ubatch=32, backend=backend, flash_attn=flash_attn)
+        assert ctx.decode(llamir.Batch.from_tokens([1, 2, 3, 4, 5])) == 0, ctx.last_error
+        logits.append(ctx.get_logits_ith(-1).copy())
+    assert backend.compile_stats.cache == "miss (entry)"
+    np.testing.assert_array_equal(logits[0], logits[1])
+    LLVMBackend._shared_caches.clear()

@@ -84,6 +84,10 @@ class FlashAttn(Kernel):
     """y [S, T, H, dv] from q [S, H, T, dk], k [S, Hkv, n, dk], v [S, Hkv, n, dv], mask, sinks;
     `scores` [S, H, T, n] f32 (the raw dots of a quantized K), `partials` (the split-KV buffer)."""
 
+    # K's and V's strides (a cache's: they follow its size) only offset rows: every context size
+    # shares one function
+    runtime_ints = (9, 10, 11, 13, 14, 15)
+
     def __init__(self, y: Ref, q: Ref, k: Ref, v: Ref, mask: Ref | None, sinks: Ref | None, scores: Ref | None,
                  split: bool, scale: float, softcap: float, alibi: tuple[float, ...] | None):
         self.dtypes = (q.dtype.name, k.dtype.name, v.dtype.name, mask.dtype.name if mask is not None else "")

@@ -95,6 +95,8 @@ class SetRows(Kernel):
     """dst[b3, b2, idx[b3 % I3, b2 % I2, i], :] = convert(src[b3, b2, i, :]) (quantising for
     quantized dst); thread ith takes source rows."""
 
+    runtime_ints = (8, 9, 10, 11)   # dst's row count and outer strides (a KV cache's follow its size)
+
     def __init__(self, dst: Ref, src: Ref, idx: Ref, site):
         dst, src, idx = dst.padded(), src.padded(), idx.padded(3)
         self.dtypes = (dst.dtype.name, src.dtype.name, idx.dtype.name)

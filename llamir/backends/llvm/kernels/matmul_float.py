@@ -136,10 +136,12 @@ class MatMulFloat(Kernel):
 
     shares_work = True      # ggml_vec_dot's units of M_UNIT rows (Claims.ranges); tinyBLAS splits evenly
 
-    def __init__(self, y: Ref, a: Ref, b: Ref, b_dtype: str, sgemm: bool):
+    def __init__(self, y: Ref, a: Ref, b: Ref, b_dtype: str, sgemm: bool, a_is_weight: bool = True):
         y, a, b = y.padded(), a.padded(), b.padded()
         self.a_dtype, self.b_dtype = a.dtype.name, b_dtype
         self.sgemm = sgemm
+        if not a_is_weight:      # a KV cache's strides follow its size: every context size shares the code
+            self.runtime_ints = (9, 10, 11)
         self.n_ptrs = 4        # y, a, b, per-thread scratch
         super().__init__(list(y.shape) + list(y.strides[:3]) + list(a.shape[:2]) + list(a.strides[:3])
                          + list(b.strides[:3]) + [b.shape[3]])

@@ -61,7 +61,7 @@ def lower_float_matmul(L: Lowerer, node: Node) -> None:
     y = L.out(node)
     K = a.shape[-1]
     scratch = L.scratch(E.add(E.mul(K, RM * 4), ACC_BYTES), "a_tile", per_thread=True)   # widened rows, accumulators
-    kernel = MatMulFloat(y, a, b, b_dtype, sgemm)
+    kernel = MatMulFloat(y, a, b, b_dtype, sgemm, a_is_weight=node.inputs[0].kind == "weight")
     L.step(kernel, [y, a, b, (scratch, 0)], [a, b], [y, scratch])
 
 
