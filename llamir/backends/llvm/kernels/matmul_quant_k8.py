@@ -378,23 +378,26 @@ class _Rows:
         with em.loop(0, p.nb, name="sblk") as k:
             self._prefetch(k)
             dx = p._d(xr, k)
-            for half, accs, accms in zip(self.halves, acc, accm, strict=True):
-                self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms)
+            for i, (half, accs, accms) in enumerate(zip(self.halves, acc, accm, strict=True)):
+                stream = em.gep(half.wg, em.mul(k, fmt.block_bytes)) if i == 0 and half.unpacked is None else None
+                self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms, stream)
         for half, accs, accms in zip(self.halves, acc, accm, strict=True):
             self._store(half, nt, lane_total(em, dtype, accs, accms))
 
-    def _lane_super_block(self, blocks, xr, k, dx, lane_vars, acc, accm) -> None:
-        """One super-block's lanes into vec_dot's float accumulators, mins as ggml orders them."""
+    def _lane_super_block(self, blocks, xr, k, dx, lane_vars, acc, accm, stream=None) -> None:
+        """One super-block's lanes into vec_dot's float accumulators, mins as ggml orders them;
+        `stream`: the super-block's bytes, to prefetch along (see _lane_sums)."""
         em, b, fmt = self.em, self.em.b, self.fmt
         qb, sb, mb = blocks
-        lanes = self._lane_sums(qb, sb, xr, k, lane_vars)
+        lanes = self._lane_sums(qb, sb, xr, k, lane_vars, stream)
         d = b.fmul(em.splat(dx, H), load_d(em, mb, fmt.off_d, H))                # y.d * x.d
         dmin = b.fmul(em.splat(b.fneg(dx), H), load_d(em, mb, fmt.off_dmin, H)) if fmt.has_min else None
         lane_fmas(em, fmt.dtype, acc, accm, lanes, d, dmin,
                   lambda first, count: self._min_pairs(mb, xr, k, first, count))
 
-    def _lane_sums(self, qb, sb, xr, k, lane_vars) -> list:
-        """vec_dot's 8 int32 lanes of one super-block (see matmul_quant_k._Pass._lane_sums)."""
+    def _lane_sums(self, qb, sb, xr, k, lane_vars, stream=None) -> list:
+        """vec_dot's 8 int32 lanes of one super-block (see matmul_quant_k._Pass._lane_sums); with
+        `stream` (the super-block's bytes) the first pass prefetches an eighth of them a step."""
         em, b, fmt = self.em, self.em.b, self.fmt
         xq = em.gep(xr, em.mul(k, 256))
         for slot in lane_vars:
@@ -404,6 +407,8 @@ class _Rows:
         # (the integers are the same; the second pass reads the super-block from L1)
         for first, last in ((0, 8),) if fmt.dtype == "q4_k" else ((0, 4), (4, 8)):
             with em.loop(0, 8, name="blk32") as jj:
+                if stream is not None and first == 0:
+                    em.prefetch_ahead(stream, fmt.block_bytes // 8, em.mul(jj, fmt.block_bytes // 8))
                 chunks = load_chunks(em, fmt, qb, em.mul(jj, 8), 8, V32B)
                 scd = [em.shuffle(self._sc(sb, em.add(em.mul(jj, subs_per_block), h)), None, _DUP)
                        for h in range(first // fmt.chunks_per_sub, (last - 1) // fmt.chunks_per_sub + 1)]
