@@ -8,7 +8,7 @@ expressions once, and calls the kernels stage by stage with a barrier between st
 Frame slots: 0 arena, 1 error code, 2 error detail, 3 error site, 4 thread count, 5 a profile
 buffer (or 0), then the dims, the leaf pointers and the output pointers, then a cache line per
 step whose kernel shares its work by chunks (the chunk counter, zeroed before each run; see
-FrameLayout and Emitter.claimed).
+FrameLayout and emit.Claims).
 With a profile buffer, each thread records the cycle counter at the start, after each step and
 after each barrier, in its own row: [start, step 0.., barrier 1..].
 """

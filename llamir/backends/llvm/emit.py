@@ -83,7 +83,7 @@ class Emitter:
         """Prefetch the n_bytes a weight stream reads PREFETCH_AHEAD bytes after those at ptr +
         offset, into L1; called once per step of a loop that reads n_bytes a step. A step longer
         than that (a K-quant super-block) prefetches the next step into L2: a whole step's lines
-        at once into L1 would hold up the loads behind the line-fill buffers (q6_k: 8% slower)."""
+        at once into L1 would hold up the loads behind the line-fill buffers (q6_k: 10% slower)."""
         near = n_bytes <= PREFETCH_AHEAD
         ahead = PREFETCH_AHEAD if near else n_bytes
         for line in range(0, n_bytes, 64):

@@ -123,7 +123,7 @@ class Kernel(ABC):
     n_ptrs: int = 0
     numerics: Numerics = AVX512     # the profile the code reproduces (set by the lowering, part of the key)
     runtime_ints: ClassVar[tuple[int, ...]] = ()
-    # whether the threads claim chunks of the work (Emitter.claimed) rather than split it evenly:
+    # whether the threads claim chunks of the work (Emitter.claims) rather than split it evenly:
     # the function then takes one more pointer after the frame, its step's chunk counter
     shares_work: ClassVar[bool] = False
 

@@ -50,7 +50,7 @@ class MatMulQ(Kernel):
     """y [N, M] f32 = act [N, K] (quantized rows) x packed weight [M, K]."""
 
     runtime_ints = (1,)     # M is only a loop bound: weights of any height share one function
-    shares_work = True      # chunks of CHUNK_GROUPS groups (ggml's 64 rows) for each block of tokens
+    shares_work = True      # a share of the groups each, then the rest by CHUNK_GROUPS (Claims.ranges)
 
     def __init__(self, fmt: QFormat, K: int, n_rows, m_rows: int):
         self.fmt = fmt
