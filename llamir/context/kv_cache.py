@@ -225,14 +225,11 @@ class KVCache:
             seq_id = ubatch.seq_id_unq[s]
             stream = self.seq_to_stream[seq_id]
             cells = self.v_cells[stream]
-            head = self.v_heads[stream]
-            if head > cells.get_used() + 2 * n_tokens:
-                head = 0
             if n_tokens > cells.size:
                 log.error("find_slot: n_tokens = %d > size = %d", n_tokens, cells.size)
                 return None
             if cont or self.n_swa:
-                found = self._scan(cells, head, n_tokens, cont)
+                found = self._scan(cells, self._scan_start(stream, n_tokens), n_tokens, cont)
             else:
                 found = self.free_cells(stream, n_tokens)
             if found is None:
@@ -246,8 +243,8 @@ class KVCache:
         cell is an empty one): the first n_tokens empty cells from the stream's head on, wrapping
         round; None when there are fewer."""
         cells = self.v_cells[stream]
-        head = self.v_heads[stream]
-        if head > cells.get_used() + 2 * n_tokens or head >= cells.size:
+        head = self._scan_start(stream, n_tokens)
+        if head >= cells.size:                        # where _scan wraps round
             head = 0
         if n_tokens == 1 and cells.pos[head] == -1:   # a generated token, usually
             return np.array([head], dtype=np.int64)
@@ -256,6 +253,12 @@ class KVCache:
         if len(found) < n_tokens:
             found = np.concatenate([found, np.flatnonzero(empty[:head])])
         return found[:n_tokens] if len(found) >= n_tokens else None
+
+    def _scan_start(self, stream: int, n_tokens: int) -> int:
+        """Where find_slot's scan starts: the stream's head, or 0 when the head is far past the
+        used cells."""
+        head = self.v_heads[stream]
+        return 0 if head > self.v_cells[stream].get_used() + 2 * n_tokens else head
 
     def _scan(self, cells: KVCells, head: int, n_tokens: int, cont: bool) -> list[int] | None:
         found: list[int] = []

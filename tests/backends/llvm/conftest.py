@@ -9,6 +9,15 @@ import pytest
 from llamir.ir import Graph, run_graph
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_shared_backends():
+    """The backends a module took from shared_backends, closed when it ends."""
+    yield
+    from shared_backends import close_shared_backends
+
+    close_shared_backends()
+
+
 def nmse(actual: np.ndarray, expected: np.ndarray) -> float:
     a = np.asarray(actual, dtype=np.float64)
     b = np.asarray(expected, dtype=np.float64)

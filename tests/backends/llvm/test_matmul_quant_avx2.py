@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from shared_backends import shared_backend
 from test_ops_matmul_quant import rows, weight  # the same weights and activations as the host's tests
 
 from llamir.backends.llvm import LLVMBackend
@@ -21,7 +22,6 @@ f32 = np.float32
 LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 64)
 HOST_AVXVNNI = host_target().has("avxvnni")
-_BACKENDS: dict = {}
 
 
 def isa_target(isa: str):
@@ -34,23 +34,12 @@ def isa_target(isa: str):
 def backend(profile: str, isa: str) -> LLVMBackend:
     if isa == "avxvnni" and not HOST_AVXVNNI:
         pytest.skip("the host has no AVX-VNNI (its code generation is checked by test_avxvnni_codegen)")
-    key = (profile, isa)
-    if key not in _BACKENDS:
-        _BACKENDS[key] = LLVMBackend(n_threads=2, disk_cache=False, numerics=profile, target=isa_target(isa))
-    return _BACKENDS[key]
+    return shared_backend(profile, isa_target(isa))
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(11)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_backends():
-    yield
-    for b in _BACKENDS.values():
-        b.close()
-    _BACKENDS.clear()
 
 
 def assert_same(got: np.ndarray, want: np.ndarray, what: str) -> None:

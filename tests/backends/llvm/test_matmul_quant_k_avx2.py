@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_backends import shared_backend
 
 from llamir.backends.llvm import LLVMBackend
 from llamir.backends.llvm.target import host_target, restricted_target
@@ -16,23 +17,10 @@ f32 = np.float32
 K_QUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 ROWS = (1, 3, 4, 6, 8, 9, 13, 21)
 ISAS = {"avx2": ("avx512", "avxvnni"), "avxvnni": ("avx512",)}
-_BACKENDS: dict = {}
 
 
 def backend(profile: str, isa: str) -> LLVMBackend:
-    key = (profile, isa)
-    if key not in _BACKENDS:
-        target = restricted_target(host_target(), ISAS[isa])
-        _BACKENDS[key] = LLVMBackend(n_threads=2, disk_cache=False, numerics=profile, target=target)
-    return _BACKENDS[key]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_backends():
-    yield
-    for b in _BACKENDS.values():
-        b.close()
-    _BACKENDS.clear()
+    return shared_backend(profile, restricted_target(host_target(), ISAS[isa]))
 
 
 def weight(rng, name: str, m: int, k: int) -> np.ndarray:

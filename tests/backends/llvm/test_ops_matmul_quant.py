@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_backends import shared_backend
 
 from llamir.backends.llvm import LLVMBackend
 from llamir.backends.llvm.target import host_target, restricted_target
@@ -21,23 +22,10 @@ f32 = np.float32
 LEGACY = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 K_QUANTS = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 64)     # vec_dot / gemv, gemm in fours + leftovers, tiled from 8
-_BACKENDS: dict = {}
 
 
 def backend(profile: str, avx2_only: bool) -> LLVMBackend:
-    key = (profile, avx2_only)
-    if key not in _BACKENDS:
-        target = restricted_target(host_target(), ("avx512", "avxvnni")) if avx2_only else None
-        _BACKENDS[key] = LLVMBackend(n_threads=2, disk_cache=False, numerics=profile, target=target)
-    return _BACKENDS[key]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_backends():
-    yield
-    for b in _BACKENDS.values():
-        b.close()
-    _BACKENDS.clear()
+    return shared_backend(profile, restricted_target(host_target(), ("avx512", "avxvnni")) if avx2_only else None)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared_backends import shared_backend
 
 from llamir.backends.llvm import LLVMBackend
 from llamir.backends.llvm.codegen import FrameLayout
@@ -16,24 +17,12 @@ from llamir.ir import F16, F32, GraphBuilder, dtype_named, quants, run_graph
 
 pytestmark = pytest.mark.slow
 f32 = np.float32
-_BACKENDS: dict = {}
 
 
 def backend(n_threads: int, avx2_only: bool) -> LLVMBackend:
-    key = (n_threads, avx2_only)
-    if key not in _BACKENDS:
-        target = restricted_target(host_target(), ("avx512", "avxvnni")) if avx2_only else None
-        _BACKENDS[key] = LLVMBackend(n_threads=n_threads, disk_cache=False, target=target,
-                                     numerics="avx2" if avx2_only else None)
-    return _BACKENDS[key]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_backends():
-    yield
-    for b in _BACKENDS.values():
-        b.close()
-    _BACKENDS.clear()
+    if avx2_only:
+        return shared_backend("avx2", restricted_target(host_target(), ("avx512", "avxvnni")), n_threads)
+    return shared_backend(n_threads=n_threads)
 
 
 def _weight(rng, name: str, m: int, k: int) -> np.ndarray:

@@ -529,7 +529,6 @@ class MatMulQDirect(Kernel):
         has_min = self.dtype in ("q4_1", "q5_1")
         with em.loop(0, nb, name="blk") as k:
             blk = em.gep(arow, em.mul(k, bsize))
-            em.prefetch_ahead(blk, bsize)
             lanes = _block_lanes(em, self.dtype, blk, em.load(int_dot.V32I8, xrow, em.mul(k, 32)))
             d_w = b.fpext(em.load(F16, blk, 0), F32)
             d_x = em.load(F32, xrow, em.add(off_d, em.mul(k, 4)))

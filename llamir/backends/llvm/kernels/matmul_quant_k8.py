@@ -224,11 +224,17 @@ class _Rows:
         self.unpacked = halves[0].unpacked is not None
 
     # -- loads ---------------------------------------------------------------------------------------
-    def _prefetch(self, k) -> None:
-        """Super-block k + a few of the weights ahead, once per super-block (not for an unpacked copy)."""
+    def _stream(self, k):
+        """Super-block k of the packed weights these halves stream, or None when they read an
+        unpacked copy (nothing to prefetch)."""
         half = self.halves[0]
-        if half.unpacked is None:
-            self.em.prefetch_ahead(half.wg, self.fmt.block_bytes, self.em.mul(k, self.fmt.block_bytes))
+        return None if half.unpacked is not None else self.em.gep(half.wg, self.em.mul(k, self.fmt.block_bytes))
+
+    def _prefetch(self, k) -> None:
+        """The super-block after k into L2, once per super-block (see Emitter.prefetch_ahead)."""
+        stream = self._stream(k)
+        if stream is not None:
+            self.em.prefetch_ahead(stream, self.fmt.block_bytes)
 
     def _sc(self, sb, s):
         """Sub-block s's 8 scales (int8) as int16."""
@@ -378,9 +384,9 @@ class _Rows:
         with em.loop(0, p.nb, name="sblk") as k:
             self._prefetch(k)
             dx = p._d(xr, k)
+            stream = self._stream(k)
             for i, (half, accs, accms) in enumerate(zip(self.halves, acc, accm, strict=True)):
-                stream = em.gep(half.wg, em.mul(k, fmt.block_bytes)) if i == 0 and half.unpacked is None else None
-                self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms, stream)
+                self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms, stream if i == 0 else None)
         for half, accs, accms in zip(self.halves, acc, accm, strict=True):
             self._store(half, nt, lane_total(em, dtype, accs, accms))
 
