@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from llamir.passes.sched_plan import format_bytes
+from llamir.sched.plan import format_bytes
 
 
 @dataclass
@@ -51,7 +51,7 @@ def plan_model(
     worst-case graphs (n_ubatch-token prompt, 1-token generation) for the compute buffers."""
     from llamir.frontend.placement import place_model
     from llamir.ir.bind import bind_dims
-    from llamir.passes.sched import Scheduler
+    from llamir.sched.scheduler import Scheduler
 
     graph = model.build_graph(graph_config(model, n_ctx, flash_attn))
     placement = place_model(model, graph, devices, params)
@@ -130,7 +130,7 @@ def cmd_splits(args) -> int:
     from llamir.backends import BackendError, backend_from_spec
     from llamir.cli import _load
     from llamir.frontend.placement import PlacementError
-    from llamir.passes.sched import SchedError
+    from llamir.sched.scheduler import SchedError
 
     try:
         devices = [backend_from_spec(spec) for spec in args.device]
@@ -177,7 +177,7 @@ def cmd_splits(args) -> int:
 def _render(fmt: str, model, report: SplitsReport, explains: dict[str, str], nodes: bool) -> str:
     plan, placement = report.plan, report.placement
     if fmt == "svg":
-        from llamir.passes.sched_draw import plan_to_svg
+        from llamir.sched.draw import plan_to_svg
 
         return plan_to_svg(plan)
     if fmt == "json":

@@ -5,7 +5,8 @@ backends. A BufferType allocates Buffers (byte arrays with an alignment and a us
 Backend runs ops: `supports_op`, `supports_buft`, `offload_op`, tensor get/set/copy, events,
 and two ways to execute: `compile(graph)` for a whole graph (values by name), and
 `graph_compute(split, memory)` for one split of a scheduled graph whose tensors live in
-allocated buffers (llamir.passes.sched_exec). The default graph_compute goes through compile.
+allocated buffers (SplitRun and SplitMemory below; the scheduler's executor implements them).
+The default graph_compute goes through compile.
 
 Every call here is synchronous: the "async" methods complete before they return, and events
 only count records and waits, which is all a simulated device needs to be observable.
@@ -14,17 +15,15 @@ only count records and waits, which is all a simulated device needs to be observ
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 from llamir.ir import Graph, Node
 from llamir.ir.dims import Bindings
-
-if TYPE_CHECKING:
-    from llamir.passes.sched_exec import SplitMemory, SplitRun
 
 
 def default_threads() -> int:
@@ -47,6 +46,35 @@ class Executable(Protocol):
         bindings: Bindings,
         observe: Callable[[Node, np.ndarray], bool] | None = None,
     ) -> dict[str, np.ndarray]: ...
+
+
+class SplitMemory(Protocol):
+    """The values of one scheduled execution, as a backend's graph_compute sees them (the
+    scheduler's executor implements it): read an input, write a result into its slot."""
+
+    def value(self, ref) -> np.ndarray: ...
+
+    def root(self, ref) -> np.ndarray: ...
+
+    def store(self, node: Node, result: np.ndarray) -> np.ndarray: ...
+
+    def set(self, ref, value: np.ndarray, root: np.ndarray) -> None: ...
+
+
+class SplitRun(Protocol):
+    """One split of a scheduled graph: its nodes in order, each node's inputs (copies made for
+    this split where its sources live elsewhere), and the compile path every backend may use."""
+
+    @property
+    def nodes(self) -> list[Node]: ...
+
+    def inputs_of(self, node: Node) -> tuple: ...
+
+    def is_copy(self, ref) -> bool: ...
+
+    def compute_through_compile(
+        self, backend: Backend, memory: SplitMemory, observe: Callable[[Node, np.ndarray], bool] | None = None
+    ) -> bool: ...
 
 
 class DeviceType(enum.Enum):
@@ -203,6 +231,33 @@ def cpu_device(name: str = "cpu", description: str = "host CPU (numpy)") -> Devi
     return Device(name, DeviceType.CPU, CPU_MEMORY, description, alignment=32)
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """A device's figures for split-plan estimates (llamir.sched.cost): throughput in TFLOP/s,
+    memory and host-link bandwidth in GB/s, link latency in us."""
+
+    tflops: float = 50.0
+    mem_gbps: float = 1000.0
+    link_gbps: float = 25.0
+    latency_us: float = 10.0
+
+
+def op_batch_size(node: Node) -> int:
+    """The batch size an offload_op compares with its threshold (ggml-cuda's get_op_batch_size):
+    0 for get_rows, ne[1] for mul_mat, ne[2] for mul_mat_id and rope, else the row count."""
+    from llamir.ir import ops
+
+    shape = [int(d) for d in node.type.shape]
+    ne = list(reversed(shape)) + [1] * (4 - len(shape))
+    if node.is_op(ops.GetRows):
+        return 0
+    if node.is_op(ops.MulMat):
+        return ne[1]
+    if node.is_op(ops.MulMatId, ops.RopeExt):
+        return ne[2]
+    return int(math.prod(shape[:-1])) if len(shape) > 1 else 1
+
+
 @dataclass
 class BackendStats:
     """What a backend did: bytes copied in and out, copies, events. Sim devices report these."""
@@ -228,6 +283,7 @@ class Backend:
     and/or graph_compute (one scheduled split over allocated memory)."""
 
     name: ClassVar[str] = "?"
+    cost_model: CostModel | None = None  # None: the scheduler's CPU figures
 
     # -- identity -----------------------------------------------------------------------------
     @property
@@ -305,9 +361,7 @@ class Backend:
     ) -> bool:
         """Compute one split: read its inputs from `memory`, write its results there. Returns
         False when `observe` asked to stop. The default compiles the split's subgraph."""
-        from llamir.passes.sched_exec import compute_through_compile
-
-        return compute_through_compile(self, run, memory, observe)
+        return run.compute_through_compile(self, memory, observe)
 
     def __repr__(self) -> str:
         return f"<backend {self.name} on {self.device.name}>"

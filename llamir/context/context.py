@@ -29,7 +29,7 @@ from llamir.frontend.model import Model
 from llamir.frontend.placement import PlacementError, PlacementParams
 from llamir.ir import IRError
 from llamir.ir.numerics import Numerics, numerics_named
-from llamir.passes.sched import SchedError
+from llamir.sched.scheduler import SchedError
 
 log = logging.getLogger("llamir")
 

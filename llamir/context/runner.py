@@ -16,7 +16,7 @@ from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.placement import Placement, PlacementParams, place_model
 from llamir.ir import ops
 from llamir.ir.bind import bind_dims
-from llamir.passes.sched import Scheduler
+from llamir.sched.scheduler import Scheduler
 
 log = logging.getLogger("llamir")
 

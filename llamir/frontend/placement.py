@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from llamir.backends.base import Backend
 from llamir.ir import Graph, Node, ops
-from llamir.passes.sched import TensorBuffer
+from llamir.sched.scheduler import TensorBuffer
 
 SPLIT_MODES = ("none", "layer")
 INPUT_TENSORS = ("token_embd.", "token_embd_norm.", "position_embd.", "token_types.")

@@ -136,7 +136,7 @@ def test_numpy_backend_still_compiles_whole_graphs():
 
 
 def test_null_backend_runs_nothing_but_the_scheduler_walks_its_paths():
-    from llamir.passes.sched import Scheduler, TensorBuffer
+    from llamir.sched.scheduler import Scheduler, TensorBuffer
 
     b = GraphBuilder("g")
     x = b.input("x", [2, 3], F32)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from llamir.backends.base import Backend, Device, cpu_device, default_threads, op_supported_by_numpy
 from llamir.ir import Graph, Interpreter
+from llamir.ir.interp import InterpError
+from llamir.ir.interp_kernels import KERNELS
 from llamir.ir.numerics import Numerics, numerics_named
+from llamir.ir.ops import IRError
 
 
 class NumpyBackend(Backend):
@@ -45,8 +50,28 @@ class NumpyBackend(Backend):
         return run
 
     def graph_compute(self, run, memory, observe=None) -> bool:
-        """Node by node, each result written into its allocated slot (llamir.passes.sched_exec)."""
-        from llamir.passes.sched_exec import evaluate_split
-
+        """Node by node, each result written into its allocated slot (the scheduler's split memory)."""
         self.stats.n_graph_computes += 1
         return evaluate_split(run, memory, self.interp, self.plain, observe)
+
+
+def evaluate_split(run, memory, interp: Interpreter, plain: Interpreter, observe=None) -> bool:
+    """Run a split's nodes with the numpy kernels, each result written to its slot. Nodes that
+    read a weight copied into reusable compute memory skip the dequantized-weight cache."""
+    for node in run.nodes:
+        refs = run.inputs_of(node)
+        args = [memory.value(r) for r in refs]
+        try:
+            if node.op.is_view:
+                out = interp._view(node, args[0], memory.root(refs[0]), {})
+            else:
+                ctx = (plain if any(run.is_copy(r) for r in refs) else interp).ctx
+                out = KERNELS[type(node.op)](ctx, node, args, {})
+        except (IRError, InterpError):
+            raise
+        except (ValueError, IndexError, KeyError, TypeError) as err:
+            raise InterpError(f"{node.op.name} {node.name or ''} ({node.type}): {err}") from err
+        value = memory.store(node, np.asarray(out))
+        if observe is not None and node.name and observe(node, value) is False:
+            return False
+    return True

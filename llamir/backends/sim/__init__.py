@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llamir.backends.base import Device, DeviceCaps, DeviceType, op_supported_by_numpy
+from llamir.backends.base import Device, DeviceCaps, DeviceType, op_batch_size, op_supported_by_numpy
 from llamir.backends.numpy import NumpyBackend
 from llamir.backends.sim.spec import SimSpec, SpecError, format_size, parse_sim_spec
 from llamir.ir import Node
-from llamir.passes.sched_cost import offload_batch
 
 __all__ = ["SimBackend", "SimSpec", "SpecError", "format_size", "parse_sim_spec"]
 
@@ -60,7 +59,7 @@ class SimBackend(NumpyBackend):
 
     def offload_op(self, node: Node) -> bool:
         threshold = self.spec.offload_batch
-        return threshold is not None and offload_batch(node) >= threshold
+        return threshold is not None and op_batch_size(node) >= threshold
 
     def __repr__(self) -> str:
         return f"<backend {self.spec.describe()}>"

@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from llamir.backends.base import CostModel
 from llamir.ir.dtypes import dtype_named
 from llamir.ir.ops import OPS
-from llamir.passes.sched_cost import CostModel
 
 DEFAULT_MEM = 24 << 30
 DEFAULT_OFFLOAD_BATCH = 32

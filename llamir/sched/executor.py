@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from llamir.ir import Graph, Node
-from llamir.ir.interp import InterpError, storage_dtype, storage_shape
-from llamir.ir.ops import IRError
-from llamir.passes.sched_plan import InputCopy, Split, SplitPlan, is_view_like, view_root
+from llamir.ir.interp import storage_dtype, storage_shape
+from llamir.sched.plan import InputCopy, Split, SplitPlan, is_view_like, view_root
 
 Observe = Callable[[Node, np.ndarray], bool] | None
 
@@ -37,6 +36,15 @@ class SplitRun:
 
     def inputs_of(self, node: Node):
         return self.plan.inputs_of(node)
+
+    @staticmethod
+    def is_copy(ref) -> bool:
+        """Whether an input is a copy made for this split (in reused compute memory)."""
+        return isinstance(ref, InputCopy)
+
+    def compute_through_compile(self, backend, memory: SplitMemory, observe: Observe = None) -> bool:
+        """Backend.graph_compute's default: compile this split as a graph and run it."""
+        return compute_through_compile(backend, self, memory, observe)
 
 
 def _typed(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...]) -> np.ndarray:
@@ -138,30 +146,6 @@ class SplitMemory:
             dst_backend.set_tensor_async(dst_raw, src_backend.get_tensor_async(src_raw))
         typed = _typed(dst_raw, value.shape, value.dtype, value.strides)
         self.set(copy, typed, typed)
-
-
-def evaluate_split(run: SplitRun, memory: SplitMemory, interp, plain, observe: Observe = None) -> bool:
-    """Run a split's nodes with the numpy kernels, each result written to its slot. Nodes that
-    read a weight copied into reusable compute memory skip the dequantized-weight cache."""
-    from llamir.ir.interp_kernels import KERNELS
-
-    for node in run.nodes:
-        refs = run.inputs_of(node)
-        args = [memory.value(r) for r in refs]
-        try:
-            if node.op.is_view:
-                out = interp._view(node, args[0], memory.root(refs[0]), {})
-            else:
-                ctx = (plain if any(isinstance(r, InputCopy) for r in refs) else interp).ctx
-                out = KERNELS[type(node.op)](ctx, node, args, {})
-        except (IRError, InterpError):
-            raise
-        except (ValueError, IndexError, KeyError, TypeError) as err:
-            raise InterpError(f"{node.op.name} {node.name or ''} ({node.type}): {err}") from err
-        value = memory.store(node, np.asarray(out))
-        if observe is not None and node.name and observe(node, value) is False:
-            return False
-    return True
 
 
 def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe: Observe = None) -> bool:
@@ -287,7 +271,6 @@ __all__ = [
     "SplitMemory",
     "SplitRun",
     "compute_through_compile",
-    "evaluate_split",
     "execute",
     "view_root",
 ]

@@ -12,8 +12,8 @@ from llamir.cli_splits import graph_config, reserve_batches
 from llamir.frontend.placement import PlacementError, PlacementParams, place_model
 from llamir.ir import Interpreter
 from llamir.ir.bind import bind_dims
-from llamir.passes.sched import SchedError, Scheduler
-from llamir.passes.sched_alloc import check_allocation
+from llamir.sched.compute_buffers import check_allocation
+from llamir.sched.scheduler import SchedError, Scheduler
 
 
 def setup(model, specs=("sim:gpu0",), n_tokens=1, n_out=1, **params):

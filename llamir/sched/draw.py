@@ -9,7 +9,7 @@ from __future__ import annotations
 from html import escape
 
 from llamir.ir import Node
-from llamir.passes.sched_plan import InputCopy, SplitPlan, format_bytes, view_root
+from llamir.sched.plan import InputCopy, SplitPlan, format_bytes, view_root
 
 PALETTE = (
     "#4e79a7",

@@ -7,25 +7,19 @@ a copy takes latency + bytes / link bandwidth. Shapes must be concrete (a bound 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from llamir.backends.base import CostModel
 from llamir.ir import Node, ops
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Throughput in TFLOP/s, memory and host-link bandwidth in GB/s, link latency in us."""
+def op_seconds(model: CostModel, node: Node) -> float:
+    """The roofline time of one node on a device: max(flops / throughput, bytes / bandwidth)."""
+    return max(op_flops(node) / (model.tflops * 1e12), op_bytes(node) / (model.mem_gbps * 1e9))
 
-    tflops: float = 50.0
-    mem_gbps: float = 1000.0
-    link_gbps: float = 25.0
-    latency_us: float = 10.0
 
-    def op_seconds(self, node: Node) -> float:
-        return max(op_flops(node) / (self.tflops * 1e12), op_bytes(node) / (self.mem_gbps * 1e9))
-
-    def copy_seconds(self, nbytes: int) -> float:
-        return self.latency_us * 1e-6 + nbytes / (self.link_gbps * 1e9)
+def copy_seconds(model: CostModel, nbytes: int) -> float:
+    """One copy over a device's host link: latency + bytes / bandwidth."""
+    return model.latency_us * 1e-6 + nbytes / (model.link_gbps * 1e9)
 
 
 # The host CPU when a backend has no cost model of its own: a few cores of SIMD, DDR5.
@@ -61,17 +55,3 @@ def op_bytes(node: Node) -> int:
     if node.is_leaf or node.op.is_view:
         return 0
     return _nbytes(node) + sum(_nbytes(x) for x in node.inputs)
-
-
-def offload_batch(node: Node) -> int:
-    """The batch size op_offload compares with its threshold (ggml-cuda's get_op_batch_size):
-    0 for get_rows, ne[1] for mul_mat, ne[2] for mul_mat_id and rope, else the row count."""
-    shape = [int(d) for d in node.type.shape]
-    ne = list(reversed(shape)) + [1] * (4 - len(shape))
-    if node.is_op(ops.GetRows):
-        return 0
-    if node.is_op(ops.MulMat):
-        return ne[1]
-    if node.is_op(ops.MulMatId, ops.RopeExt):
-        return ne[2]
-    return int(math.prod(shape[:-1])) if len(shape) > 1 else 1

@@ -13,7 +13,7 @@ from llamir.backends import backend_from_spec
 from llamir.cli_splits import plan_model
 from llamir.frontend.placement import PlacementParams
 from llamir.ir import F32, GraphBuilder, ops
-from llamir.passes.sched import Scheduler, TensorBuffer
+from llamir.sched.scheduler import Scheduler, TensorBuffer
 
 
 def small_graph(rows: int):

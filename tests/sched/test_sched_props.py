@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from llamir.backends import backend_from_spec
 from llamir.ir import F32, GraphBuilder, Interpreter, ops
-from llamir.passes.sched import Scheduler, TensorBuffer
-from llamir.passes.sched_alloc import check_allocation
-from llamir.passes.sched_plan import InputCopy
+from llamir.sched.compute_buffers import check_allocation
+from llamir.sched.plan import InputCopy
+from llamir.sched.scheduler import Scheduler, TensorBuffer
 
 OPS = ("add", "mul", "sub", "silu", "neg", "tanh", "rms_norm", "scale", "mul_mat", "cont", "soft_max_ext")
 COLS = 8

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from llamir.ir import Graph, Node
-from llamir.passes.sched_cost import CPU_COST, CostModel
+from llamir.sched.cost import CPU_COST, copy_seconds, op_seconds
 
 if TYPE_CHECKING:
-    from llamir.backends.base import Backend
+    from llamir.backends.base import Backend, BufferType, CostModel
 
 # ggml's SET_CAUSE codes, spelled out for --explain
 CAUSES = {
@@ -36,6 +36,19 @@ CAUSES = {
     "4.first": "the first backend that supports the op",
     "6.cpy": "a pipeline copy of a graph input",
 }
+
+
+class SchedError(ValueError):
+    """A graph the scheduler cannot place; the message names the value, op and backends."""
+
+
+@dataclass(frozen=True)
+class TensorBuffer:
+    """Where a pre-allocated leaf (weight, KV cache) lives: a buffer type and whether the buffer
+    holds weights (ggml's GGML_BACKEND_BUFFER_USAGE_WEIGHTS; the KV cache does not)."""
+
+    buft: BufferType
+    weights: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,20 +164,20 @@ class SplitPlan:
 
     # -- costs --------------------------------------------------------------------------------
     def cost_model(self, backend_index: int) -> CostModel:
-        return getattr(self.backends[backend_index], "cost_model", None) or CPU_COST
+        return self.backends[backend_index].cost_model or CPU_COST
 
     def copy_seconds(self, copy: InputCopy, from_backend: int) -> float:
         """A copy crosses the host link of each non-CPU side (device to device goes through the host)."""
         seconds = 0.0
         for b in (from_backend, copy.backend):
             if not self.backends[b].is_cpu:
-                seconds += self.cost_model(b).copy_seconds(copy.nbytes)
-        return seconds or CPU_COST.copy_seconds(copy.nbytes)
+                seconds += copy_seconds(self.cost_model(b), copy.nbytes)
+        return seconds or copy_seconds(CPU_COST, copy.nbytes)
 
     def split_seconds(self, split: Split) -> tuple[float, float]:
         """(compute, copy-in) seconds of one split under the backends' cost models."""
         model = self.cost_model(split.backend)
-        compute = sum(model.op_seconds(n) for n in self.split_nodes(split) if not n.op.is_view)
+        compute = sum(op_seconds(model, n) for n in self.split_nodes(split) if not n.op.is_view)
         copies = sum(
             self.copy_seconds(c, self.backend_index(i))
             for i, c in zip(split.inputs, split.copies, strict=True)

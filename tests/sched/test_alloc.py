@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llamir.passes.alloc import Address, AllocError, ATensor, DynAllocator, GraphAllocator
-from llamir.passes.sched_alloc import AllocCheckError, AllocGraph, check_allocation
+from llamir.sched.alloc import Address, AllocError, ATensor, DynAllocator, GraphAllocator
+from llamir.sched.compute_buffers import AllocCheckError, AllocGraph, check_allocation
 
 
 def test_alignment_and_tail_growth():
