@@ -65,9 +65,18 @@ def _context(model, args, **overrides):
                   n_ubatch=getattr(args, "n_ubatch", 512), flash_attn=getattr(args, "flash_attn", "off"),
                   n_threads=getattr(args, "threads", 0) or 0)
     params.update(overrides)
+    from llamir.cli_devices import device_backends, placement_params
+    from llamir.frontend.placement import PlacementError
+    from llamir.sched import SchedError
+
+    devices = device_backends(args) if hasattr(args, "device") else []
+    if any(d.is_cpu for d in devices):
+        raise CliError(f"--device {devices[-1].label}: the CPU runs --backend {args.backend}; give only devices")
+    placement = placement_params(args) if devices else None
     try:
-        return Context(model, backend=args.backend, numerics=args.numerics, **params)
-    except (ContextParamsError, ValueError, BackendError) as err:
+        return Context(model, backend=args.backend, numerics=args.numerics, devices=devices, placement=placement,
+                       **params)
+    except (ContextParamsError, ValueError, BackendError, PlacementError, SchedError) as err:
         raise CliError(str(err)) from None
 
 
@@ -369,6 +378,9 @@ def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off", dest="flash_attn")
     p.add_argument("--threads", type=int, default=0, help="threads (default: all cores)")
     add_numerics_option(p)
+    from llamir.cli_devices import add_device_args
+
+    add_device_args(p)
 
 
 def add_numerics_option(p: argparse.ArgumentParser) -> None:
@@ -454,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that live in their own modules: each has add_parser(subparsers).
-EXTRA_COMMANDS = [m for m in ("llamir.cli_splits", "llamir.cli_bench")
+EXTRA_COMMANDS = [m for m in ("llamir.cli_splits", "llamir.cli_bench", "llamir.cli_backend_ops", "llamir.cli_backends")
                   if __import__("importlib.util").util.find_spec(m) is not None]
 
 

@@ -2,17 +2,18 @@
 
 llamir splits model.gguf --device sim:gpu0:mem=8GiB --n-gpu-layers 20 --n-tokens 512
 llamir splits model.gguf --device sim:gpu0:ops=all,-soft_max_ext --explain kq_soft_max-3
-llamir splits model.gguf --device sim:gpu0 --format svg --out plan.svg
+llamir splits model.gguf --device sim:gpu0 -ngl 10 --format png --out plan.png
+llamir splits model.gguf --device sim:gpu0 -ngl 10 --layers 19-21 --format svg --out layers.svg
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 
+from llamir.cli_devices import add_device_args, device_backends, placement_params
 from llamir.sched.plan import format_bytes
 
 
@@ -79,32 +80,6 @@ def reserve_batches(backends: list, n_ubatch: int) -> list[int]:
     return sorted(batches, reverse=True)
 
 
-def _params(args):
-    from llamir.frontend.placement import PlacementParams
-
-    overrides = []
-    for item in args.override_tensor:
-        regex, sep, device = item.rpartition("=")
-        if not sep or not regex or not device:
-            raise _error(f"--override-tensor {item!r}: expected REGEX=DEVICE (e.g. 'blk\\.1\\.ffn_.*=cpu')")
-        overrides.append((regex, device))
-    try:
-        split = tuple(float(x) for x in args.tensor_split.split(",")) if args.tensor_split else ()
-    except ValueError:
-        raise _error(f"--tensor-split {args.tensor_split!r}: expected comma-separated numbers") from None
-    bad = [x for x in split if not (math.isfinite(x) and x >= 0)]
-    if bad:
-        raise _error(f"--tensor-split {args.tensor_split!r}: every share must be a finite number >= 0, got {bad[0]}")
-    return PlacementParams(
-        n_gpu_layers=args.n_gpu_layers,
-        split_mode=args.split_mode,
-        main_gpu=args.main_gpu,
-        tensor_split=split,
-        overrides=tuple(overrides),
-        offload_kqv=not args.no_kv_offload,
-    )
-
-
 def _check_batch_args(args) -> None:
     """The sizes of the planned batch and context, before the model is loaded."""
     for flag, value in (("--n-ctx", args.n_ctx), ("--n-ubatch", args.n_ubatch), ("--n-tokens", args.n_tokens)):
@@ -125,29 +100,17 @@ def _error(message: str):
 
 
 def cmd_splits(args) -> int:
-    import re
 
-    from llamir.backends import BackendError, backend_from_spec
+    from llamir.backends import backend_from_spec
     from llamir.cli import _load
     from llamir.frontend.placement import PlacementError
     from llamir.sched.scheduler import SchedError
 
-    try:
-        devices = [backend_from_spec(spec) for spec in args.device]
-    except (ValueError, BackendError) as err:
-        raise _error(str(err)) from None
+    devices = device_backends(args)
     if not devices or not devices[-1].is_cpu:
         devices.append(backend_from_spec("cpu"))
-    cpus = [d for d in devices if d.is_cpu]
-    if len(cpus) > 1 or not devices[-1].is_cpu:
-        raise _error("give the CPU at most once, as the last --device")
     _check_batch_args(args)
-    params = _params(args)
-    try:
-        for regex, _ in params.overrides:
-            re.compile(regex)
-    except re.error as err:
-        raise _error(f"--override-tensor: bad regex: {err}") from None
+    params = placement_params(args)
     model = _load(args.model)
     try:
         report = plan_model(
@@ -165,21 +128,57 @@ def cmd_splits(args) -> int:
         explains = {name: report.plan.explain(name) for name in args.explain}
     except (PlacementError, SchedError, KeyError) as err:
         raise _error(str(err).strip("'\"")) from None
-    text = _render(args.format, model, report, explains, args.nodes)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    if args.layers is not None and args.format not in PICTURE_FORMATS:
+        raise _error(f"--layers chooses what a picture shows: give --format {', '.join(PICTURE_FORMATS)}")
+    if args.format in PICTURE_FORMATS:
+        data = _picture(args.format, args.layers, model, report)
     else:
-        sys.stdout.write(text)
+        data = _render(args.format, model, report, explains, args.nodes)
+    if args.out:
+        with open(args.out, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+    elif isinstance(data, bytes):  # a PNG
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+    else:
+        sys.stdout.write(data)
     return 0
+
+
+PICTURE_FORMATS = ("svg", "png", "dot")
+
+
+def _picture(fmt: str, layers: str | None, model, report: SplitsReport) -> str | bytes:
+    """The layer picture (svg, png), or the node-level graph of --layers (dot, or svg/png by graphviz)."""
+    from llamir.sched.draw import plan_to_svg
+    from llamir.sched.draw_graph import plan_to_dot
+    from llamir.sched.layers import parse_layers, rows_title
+    from llamir.sched.render import RenderError, render_dot, svg_to_png
+
+    devices = ", ".join(b.label for b in report.placement.backends)
+    title = f"{model.name}: {model.hparams.n_layer} layers on {devices}"
+    try:
+        if layers is None and fmt != "dot":
+            svg = plan_to_svg(report.plan, title=title)
+            return svg if fmt == "svg" else svg_to_png(svg)
+        rows = None
+        if layers is not None:
+            try:
+                rows = parse_layers(layers, model.hparams.n_layer)
+            except ValueError as err:
+                raise _error(str(err)) from None
+            title += "; " + rows_title(rows)
+        dot = plan_to_dot(report.plan, rows, title=title)
+        if fmt == "png":
+            return render_dot(dot, "png")
+        return dot if fmt == "dot" else render_dot(dot, "svg").decode()
+    except RenderError as err:
+        raise _error(str(err)) from None
 
 
 def _render(fmt: str, model, report: SplitsReport, explains: dict[str, str], nodes: bool) -> str:
     plan, placement = report.plan, report.placement
-    if fmt == "svg":
-        from llamir.sched.draw import plan_to_svg
-
-        return plan_to_svg(plan)
     if fmt == "json":
         doc = {
             "model": model.name,
@@ -227,46 +226,28 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n", 1)[1] + _spec_help(),
     )
     p.add_argument("model", nargs="?", help="GGUF file (default: SmolLM2-135M-Instruct)")
-    p.add_argument(
-        "--device",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="a device in priority order: sim:NAME[:KEY=VALUE]..., null[:NAME], cpu, or a backend name",
-    )
-    p.add_argument(
-        "--n-gpu-layers",
-        "-ngl",
-        type=int,
-        default=-1,
-        dest="n_gpu_layers",
-        help="layers to offload, the output layer counting as one (default: all)",
-    )
+    add_device_args(p)
     p.add_argument("--n-tokens", type=int, default=1, dest="n_tokens", help="tokens in the planned batch")
     p.add_argument(
         "--n-outputs", type=int, default=1, dest="n_outputs", help="rows of logits the batch returns"
-    )
-    p.add_argument(
-        "--override-tensor",
-        "-ot",
-        action="append",
-        default=[],
-        metavar="REGEX=DEVICE",
-        dest="override_tensor",
-        help="put matching tensors on DEVICE (e.g. 'blk\\.1\\.ffn_.*=cpu')",
-    )
-    p.add_argument("--split-mode", choices=["none", "layer"], default="layer", dest="split_mode")
-    p.add_argument("--main-gpu", type=int, default=0, dest="main_gpu")
-    p.add_argument(
-        "--tensor-split", default="", dest="tensor_split", help="layer shares per device, e.g. 3,1"
     )
     p.add_argument("--n-ctx", type=int, default=4096, dest="n_ctx")
     p.add_argument("--n-ubatch", type=int, default=512, dest="n_ubatch")
     p.add_argument("--flash-attn", choices=["on", "off"], default="off", dest="flash_attn")
     p.add_argument("--no-op-offload", action="store_true", dest="no_op_offload")
-    p.add_argument("--no-kv-offload", action="store_true", dest="no_kv_offload")
     p.add_argument("--n-copies", type=int, default=1, dest="n_copies", help="pipeline-parallel copies (1-4)")
-    p.add_argument("--format", choices=["text", "json", "svg"], default="text")
+    p.add_argument(
+        "--format",
+        choices=["text", "json", *PICTURE_FORMATS],
+        default="text",
+        help="svg/png: one row per layer, splits as bands, copies with bytes; with --layers (or dot): "
+        "the node-level graph, laid out by graphviz",
+    )
+    p.add_argument(
+        "--layers",
+        metavar="RANGE",
+        help="draw the ops of these layers: 3-5, 4, input, output, or a comma list (28-29,output)",
+    )
     p.add_argument("--nodes", action="store_true", help="list every op of every split (text format)")
     p.add_argument(
         "--explain",

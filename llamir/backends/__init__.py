@@ -1,32 +1,65 @@
-"""Backends: the interface, the registry and the built-in devices."""
+"""Backends: the interface, support tables, the registry and the built-in devices."""
 
 from llamir.backends.base import (
     Backend,
     BackendError,
+    BackendStats,
     Buffer,
     BufferType,
     BufferUsage,
+    CostModel,
     Device,
     DeviceCaps,
     DeviceType,
     Event,
     Executable,
+    HostBuffer,
+    SplitMemory,
+    SplitRun,
+    TensorData,
+    cpu_device,
+    op_batch_size,
 )
-from llamir.backends.registry import available_backends, backend_from_spec, get_backend, register_backend
+from llamir.backends.registry import (
+    BackendReg,
+    Option,
+    SpecError,
+    available_backends,
+    backend_from_spec,
+    get_backend,
+    get_registry,
+    register_backend,
+)
+from llamir.backends.support import SupportTable, float_types, numpy_table
 
 __all__ = [
     "Backend",
     "BackendError",
+    "BackendReg",
+    "BackendStats",
     "Buffer",
     "BufferType",
     "BufferUsage",
+    "CostModel",
     "Device",
     "DeviceCaps",
     "DeviceType",
     "Event",
     "Executable",
+    "HostBuffer",
+    "Option",
+    "SpecError",
+    "SplitMemory",
+    "SplitRun",
+    "SupportTable",
+    "TensorData",
     "available_backends",
     "backend_from_spec",
+    "cpu_device",
+    "float_types",
     "get_backend",
+    "get_registry",
+    "numpy_table",
+    "op_batch_size",
     "register_backend",
 ]

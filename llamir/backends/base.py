@@ -14,6 +14,7 @@ only count records and waits, which is all a simulated device needs to be observ
 
 from __future__ import annotations
 
+import abc
 import enum
 import math
 from collections.abc import Callable, Mapping
@@ -101,8 +102,11 @@ class DeviceCaps:
 
 
 class BufferType:
-    """Allocates buffers on one device. `is_host`: the memory is ordinary host memory, so any
-    backend that can read host memory may use it directly (no copy)."""
+    """Allocates buffers on one device (ggml_backend_buffer_type). `is_host`: the memory is
+    ordinary host memory, so any backend that reads host memory may use it in place (no copy).
+
+    The base class allocates host-addressable buffers (HostBuffer); a device whose memory the
+    host cannot address subclasses it and returns its own Buffer from `alloc_buffer`."""
 
     def __init__(
         self,
@@ -124,44 +128,172 @@ class BufferType:
         """ggml_backend_buft_get_alloc_size: bytes a tensor of `nbytes` takes in this buffer type."""
         return int(nbytes)
 
-    def alloc_buffer(
-        self, size: int, usage: BufferUsage = BufferUsage.ANY, materialize: bool = True
-    ) -> Buffer:
-        return Buffer(self, size, usage, materialize)
+    def alloc_buffer(self, size: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
+        return HostBuffer(self, size, usage)
 
     def __repr__(self) -> str:
         return f"<buffer type {self.name}>"
 
 
-class Buffer:
-    """A block of `size` bytes of one buffer type. `data` is a uint8 array (None when the
-    buffer only accounts for memory, as for weights that stay in the caller's arrays)."""
+class Buffer(abc.ABC):
+    """`size` bytes of one buffer type's memory (ggml_backend_buffer): set and get bytes, copy
+    from another buffer, clear. Where the memory lives is the buffer's business; `mapped()`
+    gives its bytes as a host array only when this process can address them."""
 
-    def __init__(
-        self, buft: BufferType, size: int, usage: BufferUsage = BufferUsage.ANY, materialize: bool = True
-    ):
+    def __init__(self, buft: BufferType, size: int, usage: BufferUsage = BufferUsage.ANY):
         self.buft = buft
         self.size = int(size)
         self.usage = usage
-        self.data: np.ndarray | None = np.zeros(self.size, dtype=np.uint8) if materialize else None
 
     @property
     def is_host(self) -> bool:
         return self.buft.is_host
 
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        """The bytes [offset, offset + nbytes) of this buffer; a clear error when out of range."""
-        if self.data is None:
-            raise BackendError(f"{self.buft.name} buffer of {self.size} bytes holds no data")
-        if offset < 0 or offset + nbytes > self.size:
+    def check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
             raise BackendError(
-                f"{self.buft.name} buffer: bytes [{offset}, {offset + nbytes}) are outside its "
-                f"{self.size} bytes"
+                f"{self.buft.name} buffer: bytes [{offset}, {offset + nbytes}) are outside its {self.size} bytes"
             )
-        return self.data[offset : offset + nbytes]
+
+    @abc.abstractmethod
+    def set_bytes(self, offset: int, data: np.ndarray) -> None:
+        """ggml_backend_tensor_set: write the uint8 array `data` at `offset`."""
+
+    @abc.abstractmethod
+    def get_bytes(self, offset: int, nbytes: int) -> np.ndarray:
+        """ggml_backend_tensor_get: a host copy (uint8) of the bytes [offset, offset + nbytes)."""
+
+    @abc.abstractmethod
+    def clear(self, value: int = 0) -> None:
+        """ggml_backend_buffer_clear: every byte set to `value`."""
+
+    def copy_from(self, src: Buffer, src_offset: int, dst_offset: int, nbytes: int) -> bool:
+        """ggml_backend_buffer_cpy_tensor: copy from `src` without going through the host; False
+        when this buffer cannot (the caller then gets from src and sets here)."""
+        return False
+
+    def mapped(self) -> np.ndarray | None:
+        """The buffer's bytes as a uint8 host array, or None when the host cannot address them."""
+        return None
 
     def __repr__(self) -> str:
         return f"<buffer {self.buft.name} {self.size} bytes {self.usage.value}>"
+
+
+class HostBuffer(Buffer):
+    """A buffer in memory this process addresses (the CPU's, or a simulated device's): a uint8
+    numpy array, or a zero-copy view of a caller's array (`HostBuffer.wrap`)."""
+
+    def __init__(
+        self, buft: BufferType, size: int, usage: BufferUsage = BufferUsage.ANY, data: np.ndarray | None = None
+    ):
+        super().__init__(buft, size, usage)
+        self.data = np.zeros(self.size, dtype=np.uint8) if data is None else data
+
+    @classmethod
+    def wrap(cls, buft: BufferType, array: np.ndarray, usage: BufferUsage = BufferUsage.ANY) -> HostBuffer:
+        """The bytes of a C-contiguous array, without copying them."""
+        if not array.flags.c_contiguous:
+            raise BackendError(f"cannot wrap a non-contiguous {array.dtype} array {array.shape} as a buffer")
+        raw = array.reshape(-1).view(np.uint8)
+        return cls(buft, raw.size, usage, raw)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The bytes [offset, offset + nbytes), in place; a clear error when out of range."""
+        self.check_range(offset, nbytes)
+        return self.data[offset : offset + nbytes]
+
+    def set_bytes(self, offset: int, data: np.ndarray) -> None:
+        self.view(offset, data.nbytes)[...] = data.reshape(-1).view(np.uint8)
+
+    def get_bytes(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.view(offset, nbytes).copy()
+
+    def clear(self, value: int = 0) -> None:
+        self.data[...] = value
+
+    def copy_from(self, src: Buffer, src_offset: int, dst_offset: int, nbytes: int) -> bool:
+        raw = src.mapped()
+        if raw is None:
+            return False
+        src.check_range(src_offset, nbytes)
+        self.view(dst_offset, nbytes)[...] = raw[src_offset : src_offset + nbytes]
+        return True
+
+    def mapped(self) -> np.ndarray:
+        return self.data
+
+
+@dataclass(frozen=True, eq=False)
+class TensorData:
+    """Where a tensor's bytes are (ggml_tensor's buffer + data): `nbytes` (ggml_nbytes) from
+    `offset` in `buffer`, read as `shape` of `dtype` with byte `strides` (storage shape and dtype:
+    quantized rows are bytes)."""
+
+    buffer: Buffer
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    strides: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def of_array(cls, buft: BufferType, array: np.ndarray) -> TensorData:
+        """A C-contiguous array as a tensor of a host buffer, in place."""
+        return cls(HostBuffer.wrap(buft, array), 0, tuple(array.shape), array.dtype, tuple(array.strides),
+                   int(array.nbytes))
+
+    def array(self) -> np.ndarray:
+        """The tensor in place, as a host array; BackendError when its memory is a device's."""
+        raw = self.buffer.mapped()
+        if raw is None:
+            raise BackendError(f"a {self.dtype} tensor {self.shape} lives in {self.buffer.buft.name} "
+                               f"device memory, which the host cannot address")
+        self.buffer.check_range(self.offset, self.nbytes)
+        return np.ndarray(self.shape, self.dtype, raw, self.offset, self.strides)
+
+    def read(self) -> np.ndarray:
+        """A host copy of the tensor (through get_bytes: a device copy counts as one)."""
+        raw = self.buffer.get_bytes(self.offset, self.nbytes)
+        return np.array(np.ndarray(self.shape, self.dtype, raw, 0, self.strides))
+
+    def write(self, value: np.ndarray) -> None:
+        """Overwrite a contiguous tensor with `value` (same storage shape and dtype)."""
+        if tuple(value.shape) != self.shape or value.dtype != self.dtype:
+            raise BackendError(f"cannot write a {value.dtype} {tuple(value.shape)} array into a "
+                               f"{self.dtype} {self.shape} tensor")
+        self.buffer.set_bytes(self.offset, np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+
+
+def alloc_tensors(
+    buft: BufferType, tensors: Mapping[str, tuple[tuple[int, ...], np.dtype]], usage: BufferUsage = BufferUsage.ANY
+) -> dict[str, TensorData]:
+    """One buffer of `buft` holding C-contiguous tensors (name -> storage shape, dtype) at aligned
+    offsets, as ggml_backend_alloc_ctx_tensors_from_buft does; the buffer starts zeroed."""
+    offsets, size = {}, 0
+    for name, (shape, dtype) in tensors.items():
+        size = -(-size // buft.alignment) * buft.alignment
+        offsets[name] = size
+        size += buft.alloc_size(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+    if buft.max_size is not None and size > buft.max_size:
+        raise BackendError(f"{buft.name}: {size} bytes of tensors exceed the buffer type's {buft.max_size}")
+    buffer = buft.alloc_buffer(max(size, 1), usage)
+    buffer.clear(0)
+    out = {}
+    for name, (shape, dtype) in tensors.items():
+        dtype = np.dtype(dtype)
+        out[name] = TensorData(buffer, offsets[name], tuple(shape), dtype, c_strides(shape, dtype.itemsize),
+                               int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    return out
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= int(n)
+    return tuple(reversed(strides))
 
 
 class Event:
@@ -196,9 +328,11 @@ class Device:
         caps: DeviceCaps = DeviceCaps(),
         alignment: int = 32,
         host_memory: bool = False,
+        unusable: str | None = None,
     ):
         self.name = name
         self.type = type
+        self.unusable = unusable  # why a backend cannot be made on it (no driver, ...), or None
         self.memory_total = int(memory_total)
         self.description = description or name
         self.caps = caps
@@ -218,7 +352,7 @@ class Device:
 
     def supports_buft(self, buft: BufferType) -> bool:
         """Own buffers, and host memory when the device computes in host memory."""
-        return buft is self._buft or (self.host_memory and buft.is_host)
+        return buft is self.buffer_type() or (self.host_memory and buft.is_host)
 
     def __repr__(self) -> str:
         return f"<device {self.name} {self.type.value}>"
@@ -272,30 +406,28 @@ class BackendStats:
     events_waited: int = 0
 
 
-def op_supported_by_numpy(node: Node) -> bool:
-    from llamir.ir.interp_kernels import KERNELS
+class Backend(abc.ABC):
+    """Runs ops on one device (ggml_backend). Required: a device (passed to __init__) and
+    `supports_op`; everything else is an optional hook with a default:
 
-    return node.is_leaf or node.op.is_view or type(node.op) in KERNELS
-
-
-class Backend:
-    """A device that can run graphs. Subclasses set `name` and implement compile (whole graphs)
-    and/or graph_compute (one scheduled split over allocated memory)."""
+    - `compile(graph)` for whole graphs (values by name) and/or `graph_compute(split, memory)` for
+      one split of a scheduled graph over allocated memory (the default compiles the split);
+    - `supports_buft`, `offload_op`, `cost_model`, `set_n_threads`, `close`;
+    - tensor copies (`set_tensor_async`, `get_tensor_async`, `cpy_tensor_async`), `synchronize`
+      and `event_new`, all through the buffer interface.
+    """
 
     name: ClassVar[str] = "?"
     cost_model: CostModel | None = None  # None: the scheduler's CPU figures
 
+    def __init__(self, device: Device):
+        self._device = device
+        self._stats = BackendStats()
+
     # -- identity -----------------------------------------------------------------------------
     @property
     def device(self) -> Device:
-        dev = self.__dict__.get("_device")
-        if dev is None:
-            dev = self.__dict__["_device"] = cpu_device(self.name)
-        return dev
-
-    @device.setter
-    def device(self, value: Device) -> None:
-        self.__dict__["_device"] = value
+        return self._device
 
     @property
     def label(self) -> str:
@@ -304,18 +436,16 @@ class Backend:
 
     @property
     def stats(self) -> BackendStats:
-        stats = self.__dict__.get("_stats")
-        if stats is None:
-            stats = self.__dict__["_stats"] = BackendStats()
-        return stats
+        return self._stats
 
     @property
     def is_cpu(self) -> bool:
         return self.device.type == DeviceType.CPU
 
     # -- support --------------------------------------------------------------------------------
+    @abc.abstractmethod
     def supports_op(self, node: Node) -> bool:
-        return True
+        """Whether this backend runs `node` (a support table: llamir.backends.support)."""
 
     def supports_buft(self, buft: BufferType) -> bool:
         return self.device.supports_buft(buft)
@@ -327,22 +457,31 @@ class Backend:
     def unsupported(self, graph: Graph) -> list[Node]:
         return [n for n in graph.nodes if not n.op.is_view and not self.supports_op(n)]
 
+    # -- optional hooks ---------------------------------------------------------------------------
+    def set_n_threads(self, n_threads: int) -> None:
+        """ggml_backend_cpu_set_n_threads; a device that does not use host threads ignores it."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+
+    def close(self) -> None:  # noqa: B027 - an optional hook: nothing to release by default
+        """Release what the backend holds (thread pools, device handles); it is not used again."""
+
     # -- tensors and synchronization -------------------------------------------------------------
-    def set_tensor_async(self, dst: np.ndarray, data: np.ndarray) -> None:
-        """Host -> this device: write `data` into the storage array `dst`."""
-        np.copyto(dst, data, casting="no")
+    def set_tensor_async(self, dst: TensorData, data: np.ndarray) -> None:
+        """Host -> this device: write the uint8 `data` at `dst`'s first byte."""
+        dst.buffer.set_bytes(dst.offset, data)
         self.stats.bytes_in += int(data.nbytes)
         self.stats.n_copies_in += 1
 
-    def get_tensor_async(self, src: np.ndarray) -> np.ndarray:
-        """This device -> host: a copy of the storage array `src`."""
+    def get_tensor_async(self, src: TensorData) -> np.ndarray:
+        """This device -> host: a copy of `src`'s nbytes bytes (uint8)."""
         self.stats.bytes_out += int(src.nbytes)
         self.stats.n_copies_out += 1
-        return np.array(src, copy=True)
+        return src.buffer.get_bytes(src.offset, src.nbytes)
 
-    def cpy_tensor_async(self, src_backend: Backend, src: np.ndarray, dst: np.ndarray) -> bool:
-        """Copy from another backend's tensor into ours; False when this backend cannot do it
-        directly (the scheduler then goes through the host: get on the source, set here)."""
+    def cpy_tensor_async(self, src_backend: Backend, src: TensorData, dst: TensorData) -> bool:
+        """Copy another backend's tensor into ours without the host; False when this backend
+        cannot (the scheduler then goes through the host: get on the source, set here)."""
         return False
 
     def synchronize(self) -> None:

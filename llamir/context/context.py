@@ -283,9 +283,11 @@ class Context:
                 result = GraphResult(cg, None, params, build_inputs(self, cg.graph, ubatch, mctx, params, encoder))
                 self._prev = result
             cg = result.graph
-            if not result.values:  # weights and the memory's buffers are the same arrays every call
+            if not result.values:  # weights and the memory's buffers are the same tensors every call
                 result.values.update(cg.weights)
                 if mctx is not None:
+                    if not self.runner.single:  # K/V placed on a device live in its memory
+                        self.memory.place(cg.placement.buffers())
                     result.values.update(self.memory.buffers)
             values = result.set_inputs(ubatch, result.values)
             bindings = self._last_bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)

@@ -8,18 +8,21 @@ attn_inp_kq_mask.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
 import numpy as np
 
+from llamir.backends.base import BufferType, TensorData, alloc_tensors
 from llamir.context.batch import I32_MAX, I32_MIN, LLAMA_MAX_SEQ, POS_LIMIT, BatchAllocator, UBatch, is_integer
 from llamir.context.kv_cells import CellsSnapshot, KVCells
 from llamir.frontend.graph_kv import KVLayout, cache_k_name, cache_v_name
 from llamir.frontend.hparams import HParams
 from llamir.ir import F16, DType
 from llamir.ir.interp import storage_dtype, storage_shape
+from llamir.sched.plan import TensorBuffer
 
 log = logging.getLogger("llamir")
 POS_MAX = np.iinfo(np.int32).max
@@ -191,7 +194,7 @@ class KVCache:
         self.v_cells = [KVCells(kv_size, n_seq_cols) for _ in range(self.n_stream)]
         self.v_heads = [0] * self.n_stream
         self.seq_to_stream = [0] * LLAMA_MAX_SEQ if unified else list(range(n_seq_max))
-        self.buffers: dict[str, np.ndarray] = {}
+        self.buffers: dict[str, np.ndarray | TensorData] = {}  # host arrays, or tensors on a device
         for il in self.layout.layers:
             for name, shape, dtype in ((cache_k_name(il), self.layout.k_shape(hp, il), type_k),
                                        (cache_v_name(il), self.layout.v_shape(hp, il), type_v)):
@@ -199,6 +202,38 @@ class KVCache:
         self._v_names = {cache_v_name(il) for il in self.layout.layers}
         self.pending_copies: list[tuple[int, int]] = []
         self._v_rows: dict[int, np.ndarray] = {}
+
+    # -- where the tensors live ---------------------------------------------------------------------
+    def place(self, buffers: Mapping[str, TensorBuffer]) -> None:
+        """Move tensors placed in a device's memory there (llama_kv_cache allocates each layer's
+        K and V from its device's buffer type); their contents come along. They stay there: a
+        decode reads and writes them on the device, and only state save/load, undo and K-shift
+        copy them through the host."""
+        by_buft: dict[int, tuple[BufferType, dict[str, np.ndarray]]] = {}
+        for name, buf in self.buffers.items():
+            tb = buffers.get(name)
+            if tb is None or tb.buft.is_host or not isinstance(buf, np.ndarray):
+                continue
+            by_buft.setdefault(id(tb.buft), (tb.buft, {}))[1][name] = buf
+        for buft, arrays in by_buft.values():
+            tensors = alloc_tensors(buft, {name: (a.shape, a.dtype) for name, a in arrays.items()})
+            for name, td in tensors.items():
+                td.write(arrays[name])
+                self.buffers[name] = td
+            log.info("KV cache: %d tensors (%d bytes) in %s memory", len(tensors),
+                     sum(td.nbytes for td in tensors.values()), buft.name)
+
+    def host(self, name: str) -> np.ndarray:
+        """A tensor as a host array: in place for host memory, else a copy (write it back with
+        put_back)."""
+        buf = self.buffers[name]
+        return buf if isinstance(buf, np.ndarray) else buf.read()
+
+    def put_back(self, name: str, array: np.ndarray) -> None:
+        """After changing host(name)'s array: a device tensor gets the new contents."""
+        buf = self.buffers[name]
+        if not isinstance(buf, np.ndarray):
+            buf.write(array)
 
     # -- sizes ------------------------------------------------------------------------------------
     def get_size(self) -> int:
@@ -330,8 +365,8 @@ class KVCache:
             undo = StreamUndo(stream, idxs, cells.pos[idxs], cells.seq[idxs], cells.shift[idxs], cells.has_shift)
             if undo.pos.max(initial=-1) >= 0:
                 undo.whole = cells.snapshot()
-                undo.rows = {name: np.take(buf[stream], idxs, axis=self._cell_axis(name)).copy()
-                             for name, buf in self.buffers.items()}
+                undo.rows = {name: np.take(self.host(name)[stream], idxs, axis=self._cell_axis(name)).copy()
+                             for name in self.buffers}
             streams.append(undo)
         return CellsUndo(list(self.v_heads), streams)
 
@@ -348,7 +383,9 @@ class KVCache:
                 for name, rows in undo.rows.items():
                     index = [slice(None)] * rows.ndim
                     index[self._cell_axis(name)] = undo.idxs
-                    self.buffers[name][undo.stream][tuple(index)] = rows
+                    array = self.host(name)
+                    array[undo.stream][tuple(index)] = rows
+                    self.put_back(name, array)
                 continue
             cells.pos[undo.idxs] = undo.pos
             cells.seq[undo.idxs] = undo.seq
@@ -416,7 +453,10 @@ class KVCache:
         self.v_heads = [0] * self.n_stream
         if data:
             for buf in self.buffers.values():
-                buf[...] = 0
+                if isinstance(buf, np.ndarray):
+                    buf[...] = 0
+                else:
+                    buf.write(np.zeros(buf.shape, buf.dtype))
 
     # -- sequence operations ---------------------------------------------------------------------
     # llama.cpp GGML_ASSERTs (aborts the process) on a sequence id outside [0, seq_to_stream.size())

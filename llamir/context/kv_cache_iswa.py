@@ -47,6 +47,10 @@ class KVCacheISWA:
     def buffers(self):
         return {**self.base.buffers, **self.swa.buffers}
 
+    def place(self, buffers) -> None:
+        self.base.place(buffers)
+        self.swa.place(buffers)
+
     @property
     def n_stream(self) -> int:
         return self.base.n_stream

@@ -41,8 +41,10 @@ class MemoryUpdater:
     @staticmethod
     def _copy_streams(cache: KVCache) -> None:
         for src, dst in cache.pending_copies:
-            for buf in cache.buffers.values():
-                buf[dst] = buf[src]
+            for name in cache.buffers:
+                array = cache.host(name)
+                array[dst] = array[src]
+                cache.put_back(name, array)
         cache.pending_copies.clear()
 
     def _k_shift(self, cache: KVCache) -> None:
@@ -55,8 +57,11 @@ class MemoryUpdater:
         graph, run = self._shift[key]
         shifts = np.concatenate([np.where(c.pos >= 0, c.shift, 0) for c in cache.v_cells]).astype(np.int32)
         values = {"k_shift": shifts, "k_shift_rows": np.arange(len(shifts), dtype=np.int64)}
-        values.update({leaf.name: cache.buffers[leaf.name] for leaf in graph.leafs_of_kind("state")})
+        names = [leaf.name for leaf in graph.leafs_of_kind("state")]
+        values.update({name: cache.host(name) for name in names})   # a device's tensors: copies
         run(values, {})
+        for name in names:
+            cache.put_back(name, values[name])
         for cells in cache.v_cells:
             cells.reset_shift()
         log.info("K-shift applied to %d cells", int(np.count_nonzero(shifts)))

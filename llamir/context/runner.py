@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from llamir.backends import Backend
+from llamir.backends import Backend, BufferUsage, TensorData
+from llamir.backends.base import alloc_tensors
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.placement import Placement, PlacementParams, place_model
 from llamir.ir import ops
@@ -42,6 +43,7 @@ class Runner:
         self.sched: Scheduler | None = None
         self.n_splits: dict[str, int] = {}
         self.reserved = False
+        self.device_weights: dict[str, TensorData] = {}
 
     @property
     def cpu(self) -> Backend:
@@ -69,9 +71,28 @@ class Runner:
                     names = ", ".join(sorted({n.op.name for n in unsupported}))
                     raise BackendError(f"backend {self.cpu.name} cannot run: {names}")
                 executable = self.cpu.compile(graph)
-            self.graphs[config] = CompiledGraph(graph, placement, placement.weight_values(self.model, graph),
-                                                executable, {})
+            weights = self._resident(placement, placement.weight_values(self.model, graph))
+            self.graphs[config] = CompiledGraph(graph, placement, weights, executable, {})
         return self.graphs[config]
+
+    def _resident(self, placement: Placement, weights: dict) -> dict:
+        """Weights placed on a device are copied into its memory once (one WEIGHTS buffer per
+        device, as llama.cpp's model loader does) and stay there; host weights stay as they are."""
+        buffers = placement.buffers()
+        todo: dict[int, tuple] = {}
+        for name, array in weights.items():
+            tb = buffers.get(name)
+            if tb is None or tb.buft.is_host or name in self.device_weights:
+                continue
+            todo.setdefault(id(tb.buft), (tb.buft, {}))[1][name] = array
+        for buft, arrays in todo.values():
+            tensors = alloc_tensors(buft, {n: (a.shape, a.dtype) for n, a in arrays.items()}, BufferUsage.WEIGHTS)
+            for name, td in tensors.items():
+                td.write(arrays[name])
+            self.device_weights.update(tensors)
+            log.info("weights: %d tensors (%d bytes) copied into %s memory", len(tensors),
+                     sum(td.nbytes for td in tensors.values()), buft.name)
+        return {name: self.device_weights.get(name, array) for name, array in weights.items()}
 
     def _bound(self, cg: CompiledGraph, bindings: dict[str, int]):
         key = tuple(sorted(bindings.items()))

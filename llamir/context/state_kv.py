@@ -82,12 +82,12 @@ def write_cache(w: Writer, cache: KVCache, seq_id: int = -1) -> None:
                     w.pack("i", sid)
         w.pack("II", int(lay.v_trans), len(lay.layers))
         for il in lay.layers:
-            k = cache.buffers[cache_k_name(il)][s]
+            k = cache.host(cache_k_name(il))[s]
             w.pack("iQ", int(lay.type_k.ggml_type), lay.type_k.row_bytes(hp.n_embd_k_gqa(il)))
             for b, e in ranges:
                 w.raw(k[b:e])
         for il in lay.layers:
-            v = cache.buffers[cache_v_name(il)][s]
+            v = cache.host(cache_v_name(il))[s]
             if not lay.v_trans:
                 w.pack("iQ", int(lay.type_v.ggml_type), lay.type_v.row_bytes(hp.n_embd_v_gqa(il)))
                 for b, e in ranges:
@@ -304,12 +304,16 @@ def _place(cache: KVCache, st: StreamState, dest: int) -> tuple[int, np.ndarray]
 
 def _write_rows(cache: KVCache, st: StreamState, strm: int, idxs: np.ndarray) -> None:
     for il in cache.layout.layers:
-        cache.buffers[cache_k_name(il)][strm][idxs] = st.k[il]
-        v = cache.buffers[cache_v_name(il)][strm]
+        k_name, v_name = cache_k_name(il), cache_v_name(il)
+        k = cache.host(k_name)
+        k[strm][idxs] = st.k[il]
+        cache.put_back(k_name, k)
+        v = cache.host(v_name)
         if cache.layout.v_trans:
-            v[:, idxs] = st.v[il]
+            v[strm][:, idxs] = st.v[il]
         else:
-            v[idxs] = st.v[il]
+            v[strm][idxs] = st.v[il]
+        cache.put_back(v_name, v)
 
 
 def check_memory_seq_id(memory, seq_id) -> None:

@@ -117,6 +117,18 @@ class Interpreter:
                 break
         return values
 
+    def compute(self, node: Node, args: list[np.ndarray], bindings: Bindings | None = None) -> np.ndarray:
+        """One op's numpy kernel on its input arrays (for backends that run ops through numpy).
+        Ops with side effects (set_rows, cpy) write into their first input and return it."""
+        if node.op.is_view:
+            raise InterpError(f"{node.op.name} is a view: it computes nothing")
+        try:
+            return KERNELS[type(node.op)](self.ctx, node, args, bindings or {})
+        except (IRError, InterpError):
+            raise
+        except (ValueError, IndexError, KeyError, TypeError) as err:
+            raise InterpError(f"{node.op.name} {node.name or ''} ({node.type}): {err}") from err
+
     # -- views ----------------------------------------------------------------------------
     def _view(self, node: Node, x: np.ndarray, root: np.ndarray, bindings: Bindings) -> np.ndarray:
         op = node.op

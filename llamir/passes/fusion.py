@@ -79,28 +79,6 @@ class SoftMaxAttention(RewritePattern):
         return True
 
 
-class ExpandSoftMaxAttention(RewritePattern):
-    """soft_max_attn(q, k, v, mask..) -> mul_mat(v, soft_max_ext(mul_mat(k, q), mask..)): for a
-    backend without a fused attention kernel."""
-
-    root = ops.SoftMaxAttn
-
-    def match_and_rewrite(self, node: Node, rw: Rewriter) -> bool:
-        q, k, v = node.inputs[:3]
-        kq = rw.create(ops.MulMat(), (k, q), before=node)
-        probs = rw.create(node.op.softmax_op(), (kq, *node.inputs[3:]), before=node)
-        rw.replace(node, ops.MulMat(), v, probs)
-        return True
-
-
-@register_pass
-class UnfuseSoftMaxAttention(PatternPass):
-    """soft_max_attn back into its three ops."""
-
-    name = "unfuse-attention"
-    patterns = (ExpandSoftMaxAttention,)
-
-
 @register_pass
 class FuseRmsNorm(PatternPass):
     """rms_norm followed by a weight multiply becomes rms_norm_mul."""

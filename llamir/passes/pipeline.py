@@ -19,7 +19,7 @@ class PipelineError(ValueError):
 
 def _load_builtin_passes() -> None:
     # The modules register their passes on import.
-    from llamir.passes import fusion, simplify  # noqa: F401
+    from llamir.passes import decompose, fusion, simplify  # noqa: F401
 
 
 class PassPipeline:

@@ -1,15 +1,20 @@
-"""Draw a split plan as SVG: one box per op, coloured by backend, laid out by topological
-generation (networkx); edges that cross backends are copies, drawn red and dashed.
+"""The split plan as a picture a person can read: one row per layer (and rows for what comes before
+the first layer and after the last), each row's ops as a bar coloured by device and cut where a
+split starts, every split as a band over the rows it spans, every copy written out in the row that
+first reads it (tensor, from -> to, bytes), and the totals.
 
-The SVG is written by hand (no graphviz or matplotlib needed); the output is deterministic.
+The SVG is written by hand and is deterministic; `render.svg_to_png` rasterizes it. The node-level
+graph of a few layers is in draw_graph.py (graphviz).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from html import escape
 
-from llamir.ir import Node
-from llamir.sched.plan import InputCopy, SplitPlan, format_bytes, view_root
+from llamir.sched.layers import Row, node_layers, row_order, row_title
+from llamir.sched.plan import InputCopy, SplitPlan, est_ms, format_bytes
 
 PALETTE = (
     "#4e79a7",
@@ -23,114 +28,234 @@ PALETTE = (
     "#e15759",
     "#bab0ac",
 )
-CPU_COLOUR = "#c8c8c8"
-BOX_W, BOX_H, GAP_X, GAP_Y, TOP = 120, 30, 16, 22, 70
+CPU_COLOUR = "#b8b8b8"
+COPY_COLOUR = "#d62728"
+FONT = 13  # px; the picture is drawn 1:1, so this is what a reader sees at 100 %
+PAD, LABEL_W, LANE_W, BAR_W, COPY_W = 18, 86, 150, 430, 430
+ROW_H, LINE_H, TOP = 26, 17, 118
 
 
-def _colour(plan: SplitPlan, b: int) -> str:
+def backend_colour(plan: SplitPlan, b: int) -> str:
     return CPU_COLOUR if plan.backends[b].is_cpu else PALETTE[b % len(PALETTE)]
 
 
-def _drawn(plan: SplitPlan) -> list[Node]:
-    """Ops (views folded into what they view) and the input/state leaves they read."""
-    values = [
-        v
-        for v in plan.graph.all_values()
-        if (v.is_leaf and v.kind != "weight") or (not v.is_leaf and not v.op.is_view)
-    ]
-    return [v for v in values if not v.is_leaf or v.users]
+def ink_on(colour: str) -> str:
+    """Black or white text, whichever reads better on `colour` ("#rrggbb")."""
+    r, g, b = (int(colour[k : k + 2], 16) for k in (1, 3, 5))
+    return "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#ffffff"
 
 
-def _edges(plan: SplitPlan, drawn: set[int]) -> list[tuple[Node, Node, bool]]:
-    edges = []
-    for node in plan.graph.nodes:
-        if node.op.is_view or id(node) not in drawn:
-            continue
-        for ref, orig in zip(plan.inputs_of(node), node.inputs, strict=True):
-            root = orig
-            while not root.is_leaf and root.op.is_view:
-                root = root.inputs[0]
-            if id(root) in drawn:
-                edges.append((root, node, isinstance(ref, InputCopy)))
-    return edges
+def _text_w(text: str, size: int = FONT) -> float:
+    return 0.6 * size * len(text)  # DejaVu/Liberation Sans average advance, slightly generous
 
 
-def _layout(values: list[Node], edges) -> dict[int, tuple[int, int]]:
-    import networkx as nx
+@dataclass
+class _Segment:
+    """A run of one row's ops, in node order, that sit in one split."""
 
-    g = nx.DiGraph()
-    order = {id(v): i for i, v in enumerate(values)}
-    g.add_nodes_from(order.values())
-    g.add_edges_from((order[id(a)], order[id(b)]) for a, b, _ in edges)
-    pos = {}
-    for row, generation in enumerate(nx.topological_generations(g)):
-        for col, k in enumerate(sorted(generation)):
-            pos[id(values[k])] = (col, row)
-    return pos
+    split: int
+    n_ops: int
 
 
-def plan_to_svg(plan: SplitPlan) -> str:
-    """The plan as an SVG document (text)."""
-    values = _drawn(plan)
-    edges = _edges(plan, {id(v) for v in values})
-    pos = _layout(values, edges)
-    n_cols = max((c for c, _ in pos.values()), default=0) + 1
-    n_rows = max((r for _, r in pos.values()), default=0) + 1
-    width = max(n_cols * (BOX_W + GAP_X) + GAP_X, 640)
-    height = TOP + n_rows * (BOX_H + GAP_Y) + GAP_Y
+@dataclass
+class _RowInfo:
+    row: Row
+    segments: list[_Segment] = field(default_factory=list)
+    copies: list[tuple[int, object, InputCopy]] = field(default_factory=list)  # (split, input, copy)
+    y: int = 0
+    h: int = ROW_H
 
-    def xy(v: Node) -> tuple[int, int]:
-        c, r = pos[id(v)]
-        return GAP_X + c * (BOX_W + GAP_X), TOP + r * (BOX_H + GAP_Y)
+
+def _rows(plan: SplitPlan, layer_of: Mapping[int, Row]) -> list[_RowInfo]:
+    infos = {r: _RowInfo(r) for r in row_order(layer_of[id(n)] for n in plan.graph.nodes)}
+    for split in plan.splits:
+        for node in plan.split_nodes(split):
+            if node.op.is_view:
+                continue
+            segments = infos[layer_of[id(node)]].segments
+            if segments and segments[-1].split == split.index:
+                segments[-1].n_ops += 1
+            else:
+                segments.append(_Segment(split.index, 1))
+    for split, row, inp, copy in _copy_rows(plan, layer_of):
+        infos[row].copies.append((split, inp, copy))
+    return list(infos.values())
+
+
+def _copy_rows(plan: SplitPlan, layer_of: Mapping[int, Row]):
+    """(split, row, input, copy): each copy is shown in the top row of the split that reads it."""
+    order = {r: k for k, r in enumerate(row_order(layer_of.values()))}
+    for split in plan.splits:
+        readers: dict[int, Row] = {}
+        for node in plan.split_nodes(split):
+            for ref in plan.inputs_of(node):
+                if isinstance(ref, InputCopy):
+                    row = layer_of[id(node)]
+                    if id(ref) not in readers or order[row] < order[readers[id(ref)]]:
+                        readers[id(ref)] = row
+        first = layer_of[id(plan.graph.nodes[split.i_start])] if split.i_end > split.i_start else None
+        for inp, copy in zip(split.inputs, split.copies, strict=True):
+            row = readers.get(id(copy), first)
+            if row is not None:
+                yield split.index, row, inp, copy
+
+
+def _lanes(extents: list[tuple[int, int]]) -> list[int]:
+    """Greedy interval colouring: splits that share a row go in different lanes."""
+    lane_end: list[int] = []
+    lanes = []
+    for lo, hi in extents:
+        for k, end in enumerate(lane_end):
+            if end < lo:
+                lane_end[k] = hi
+                lanes.append(k)
+                break
+        else:
+            lane_end.append(hi)
+            lanes.append(len(lane_end) - 1)
+    return lanes
+
+
+def plan_to_svg(plan: SplitPlan, title: str = "", layer_of: Mapping[int, Row] | None = None) -> str:
+    """The plan as an SVG document (text): layer rows, split bands, copies with their bytes."""
+    layer_of = node_layers(plan.graph) if layer_of is None else layer_of
+    rows = _rows(plan, layer_of)
+    y = TOP
+    for info in rows:
+        info.y, info.h = y, max(ROW_H, 8 + LINE_H * len(info.copies))
+        y += info.h
+    bottom = y
+    index = {info.row: k for k, info in enumerate(rows)}
+    extents = []
+    for split in plan.splits:
+        touched = [index[layer_of[id(n)]] for n in plan.split_nodes(split)]
+        extents.append((min(touched), max(touched)) if touched else (0, 0))
+    lanes = _lanes(extents)
+    n_lanes = max(lanes, default=0) + 1
+    lane_w = LANE_W if n_lanes <= 3 else max(12, 3 * LANE_W // n_lanes)
+    x_lanes = PAD + LABEL_W
+    x_bar = x_lanes + n_lanes * lane_w + PAD
+    x_copy = x_bar + BAR_W + PAD
+    width = x_copy + COPY_W + PAD
+    height = bottom + 2 * PAD + LINE_H
 
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">',
-        '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto">'
-        '<path d="M0,0 L8,4 L0,8 z" fill="#555"/></marker>'
-        '<marker id="copy" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto">'
-        '<path d="M0,0 L8,4 L0,8 z" fill="#d62728"/></marker></defs>',
-        f'<text x="{GAP_X}" y="18" font-size="13">split plan of {escape(plan.graph.name)}: {plan.n_splits} splits, '
-        f"{plan.n_split_copies} copies, {escape(format_bytes(plan.bytes_moved))} moved per batch</text>",
+        f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Liberation Sans, Arial, sans-serif" '
+        f'font-size="{FONT}">',
+        '<defs><marker id="copy" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto">'
+        f'<path d="M0,0 L8,4 L0,8 z" fill="{COPY_COLOUR}"/></marker></defs>',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
     ]
-    x = GAP_X
-    for b, backend in enumerate(plan.backends):
+    out += _header(plan, title, x_lanes, x_bar, x_copy)
+    for k, info in enumerate(rows):
+        if k % 2:
+            out.append(f'<rect x="{PAD}" y="{info.y}" width="{width - 2 * PAD}" height="{info.h}" fill="#f4f4f4"/>')
         out.append(
-            f'<rect x="{x}" y="30" width="14" height="14" fill="{_colour(plan, b)}"/>'
-            f'<text x="{x + 18}" y="41">{escape(backend.label)}</text>'
+            f'<text class="row" x="{PAD + 4}" y="{info.y + 18}" font-weight="bold">{escape(row_title(info.row))}</text>'
         )
-        x += 30 + 7 * len(backend.label)
+    for split, (lo, hi), lane in zip(plan.splits, extents, lanes, strict=True):
+        out += _band(plan, split, rows[lo].y, rows[hi].y + rows[hi].h, x_lanes + lane * lane_w, lane_w)
+    max_ops = max((sum(s.n_ops for s in info.segments) for info in rows), default=1) or 1
+    for info in rows:
+        out += _bar(plan, info, x_bar, BAR_W / max_ops)
+        out += _copy_lines(plan, info, x_copy)
     out.append(
-        f'<line x1="{x}" y1="37" x2="{x + 24}" y2="37" stroke="#d62728" stroke-dasharray="4,2" '
-        f'marker-end="url(#copy)"/><text x="{x + 30}" y="41">copy</text>'
+        f'<text class="totals" x="{PAD}" y="{bottom + PAD + 12}" font-weight="bold">total: {plan.n_splits} splits, '
+        f"{plan.n_split_copies} copies, {escape(format_bytes(plan.bytes_moved))} moved per batch, "
+        f"est. {escape(est_ms(plan.est_seconds))}</text>"
     )
-    for a, b, copied in edges:
-        (ax, ay), (bx, by) = xy(a), xy(b)
-        style = (
-            'stroke="#d62728" stroke-width="1.5" stroke-dasharray="4,2" marker-end="url(#copy)"'
-            if copied
-            else 'stroke="#999" marker-end="url(#arrow)"'
-        )
-        out.append(
-            f'<line x1="{ax + BOX_W // 2}" y1="{ay + BOX_H}" x2="{bx + BOX_W // 2}" y2="{by}" {style}/>'
-        )
-    for v in values:
-        x0, y0 = xy(v)
-        b = plan.assignment[id(v)]
-        what = v.kind if v.is_leaf else v.op.name
-        name = v.name or plan.label(v)
-        tip = f"{plan.label(v)} {what} {v.type} on {plan.labels[b]}"
-        if id(v) in plan.causes:
-            tip += f" [{plan.causes[id(v)]}]"
-        shape = 'rx="12"' if v.is_leaf else 'rx="3"'
-        out.append(
-            f'<g><title>{escape(tip)}</title><rect x="{x0}" y="{y0}" width="{BOX_W}" height="{BOX_H}" {shape} '
-            f'fill="{_colour(plan, b)}" stroke="#333"/>'
-            f'<text x="{x0 + 4}" y="{y0 + 12}">{escape(what[:20])}</text>'
-            f'<text x="{x0 + 4}" y="{y0 + 24}" fill="#222">{escape(name[:22])}</text></g>'
-        )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
-__all__ = ["plan_to_svg", "view_root"]
+def _header(plan: SplitPlan, title: str, x_lanes: int, x_bar: int, x_copy: int) -> list[str]:
+    head = title or f"split plan of graph {plan.graph.name}"
+    out = [
+        f'<text x="{PAD}" y="26" font-size="17" font-weight="bold">{escape(head)}</text>',
+        f'<text x="{PAD}" y="48">{plan.n_splits} splits, {plan.n_split_copies} copies, '
+        f"{escape(format_bytes(plan.bytes_moved))} moved per batch; n_copies {plan.n_copies}, "
+        f"op_offload {'on' if plan.op_offload else 'off'}</text>",
+    ]
+    n_ops = [0] * len(plan.backends)
+    for split in plan.splits:
+        n_ops[split.backend] += sum(1 for n in plan.split_nodes(split) if not n.op.is_view)
+    x = PAD
+    for b, backend in enumerate(plan.backends):
+        label = f"{backend.label} ({n_ops[b]} ops)"
+        out.append(
+            f'<g class="legend"><rect x="{x}" y="60" width="16" height="16" fill="{backend_colour(plan, b)}" '
+            f'stroke="#333"/><text x="{x + 22}" y="73">{escape(label)}</text></g>'
+        )
+        x += 40 + int(_text_w(label))
+    out.append(
+        f'<line x1="{x}" y1="68" x2="{x + 26}" y2="68" stroke="{COPY_COLOUR}" stroke-width="2" '
+        f'marker-end="url(#copy)"/><text x="{x + 32}" y="73">copy between devices</text>'
+    )
+    y = TOP - 8
+    for x0, text in ((PAD + 4, "layer"), (x_lanes, "splits"), (x_bar, "ops in node order, by split"),
+                     (x_copy, "copies into the split: tensor, from -> to, bytes")):
+        out.append(f'<text x="{x0}" y="{y}" fill="#555">{escape(text)}</text>')
+    return out
+
+
+def _band(plan: SplitPlan, split, y0: int, y1: int, x: int, w: int) -> list[str]:
+    colour = backend_colour(plan, split.backend)
+    label = plan.labels[split.backend]
+    n_ops = sum(1 for n in plan.split_nodes(split) if not n.op.is_view)
+    tip = (f"split {split.index}: {label}, nodes {split.i_start}..{split.i_end - 1}, {n_ops} ops, "
+           f"{len(split.inputs)} inputs")
+    out = [
+        f'<g class="band" data-split="{split.index}"><title>{escape(tip)}</title>'
+        f'<rect x="{x + 2}" y="{y0 + 2}" width="{w - 4}" height="{y1 - y0 - 4}" rx="5" fill="{colour}" '
+        f'fill-opacity="0.45" stroke="{colour}" stroke-width="2"/>'
+    ]
+    lines = [f"split {split.index}: {label}", f"{n_ops} ops"]
+    if y1 - y0 < 2 * LINE_H + 6:
+        lines = [f"split {split.index}: {label}"] if y1 - y0 >= LINE_H + 4 else []
+    for k, line in enumerate(lines):
+        if _text_w(line) <= w - 10:
+            out.append(f'<text class="band-label" x="{x + 8}" y="{y0 + 18 + k * LINE_H}">{escape(line)}</text>')
+        elif k == 0 and _text_w(f"{split.index}") <= w - 6:
+            out.append(f'<text class="band-label" x="{x + 4}" y="{y0 + 18}">{split.index}</text>')
+    out.append("</g>")
+    return out
+
+
+def _bar(plan: SplitPlan, info: _RowInfo, x: float, px_per_op: float) -> list[str]:
+    out = []
+    for seg in info.segments:
+        split = plan.splits[seg.split]
+        w = seg.n_ops * px_per_op
+        colour = backend_colour(plan, split.backend)
+        tip = f"{row_title(info.row)}: {seg.n_ops} ops in split {seg.split} on {plan.labels[split.backend]}"
+        out.append(
+            f'<g class="segment" data-split="{seg.split}"><title>{escape(tip)}</title>'
+            f'<rect x="{x:.1f}" y="{info.y + 4}" width="{w:.1f}" height="{ROW_H - 8}" fill="{colour}" stroke="#333"/>'
+        )
+        for text in (f"split {seg.split}: {seg.n_ops} ops", f"{seg.split}: {seg.n_ops}", f"{seg.split}"):
+            if _text_w(text, FONT - 1) <= w - 6:
+                out.append(f'<text x="{x + 4:.1f}" y="{info.y + 18}" font-size="{FONT - 1}" '
+                           f'fill="{ink_on(colour)}">{escape(text)}</text>')
+                break
+        out.append("</g>")
+        x += w
+    return out
+
+
+def _copy_lines(plan: SplitPlan, info: _RowInfo, x: int) -> list[str]:
+    out = []
+    for k, (split, inp, copy) in enumerate(info.copies):
+        y = info.y + 18 + k * LINE_H
+        src, dst = plan.labels[plan.backend_index(inp)], plan.labels[copy.backend]
+        text = f"{plan.label(inp)}: {src} -> {dst} (split {split}), {format_bytes(copy.nbytes)}"
+        tip = f"split {split} reads {copy.name} ({format_bytes(copy.nbytes)})"
+        out.append(
+            f'<g class="copy" data-split="{split}" data-bytes="{copy.nbytes}"><title>{escape(tip)}</title>'
+            f'<line x1="{x}" y1="{y - 4}" x2="{x + 18}" y2="{y - 4}" stroke="{COPY_COLOUR}" stroke-width="2" '
+            f'marker-end="url(#copy)"/><text x="{x + 24}" y="{y}" fill="#8b0000">{escape(text)}</text></g>'
+        )
+    return out
+
+
+__all__ = ["backend_colour", "plan_to_svg"]

@@ -2,7 +2,9 @@
 between backends, splits computed in order (ggml_backend_sched_compute_splits).
 
 Every non-view value lives at its allocator address in the backends' compute buffers, so a
-wrong allocation gives wrong numbers; weights and the KV cache stay in the caller's arrays.
+wrong allocation gives wrong numbers. Weights and the KV cache are the caller's: host arrays,
+or tensors in the buffers of the device they are placed on (TensorData), which stay there.
+Copies between splits go through the backends' tensor get/set/copy and the buffer interface.
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llamir.backends.base import TensorData
 from llamir.ir import Graph, Node
 from llamir.ir.interp import storage_dtype, storage_shape
-from llamir.sched.plan import InputCopy, Split, SplitPlan, is_view_like, view_root
+from llamir.sched.plan import (
+    InputCopy,
+    Split,
+    SplitPlan,
+    ggml_nbytes,
+    is_view_like,
+    value_strides,
+    view_offset,
+    view_root,
+)
 
 Observe = Callable[[Node, np.ndarray], bool] | None
 
@@ -47,63 +59,88 @@ class SplitRun:
         return compute_through_compile(backend, self, memory, observe)
 
 
-def _typed(raw: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, strides: tuple[int, ...]) -> np.ndarray:
-    return np.ndarray(shape, dtype=dtype, buffer=raw, offset=0, strides=strides)
-
-
-def _raw_window(value: np.ndarray, root: np.ndarray, nbytes: int) -> np.ndarray:
-    """The nbytes raw bytes starting at `value`'s first element, inside its C-contiguous root."""
-    flat = np.ascontiguousarray(root).reshape(-1).view(np.uint8)
-    if flat.__array_interface__["data"][0] != root.__array_interface__["data"][0]:
-        raise ExecError("a value's memory is not contiguous; cannot copy its bytes")
-    offset = value.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-    return flat[offset : offset + nbytes]
-
-
 class SplitMemory:
-    """Values of one execution: slots in the compute buffers, views, and the caller's arrays."""
+    """Values of one execution: tensors in the compute buffers (at their allocator addresses),
+    views of them, and the caller's leaves (host arrays, or TensorData in a device's buffers).
 
-    def __init__(self, sched, scheduled, values: Mapping[str, np.ndarray]):
+    `tensor(ref)` says where any value's bytes are; `value(ref)` gives a value as a host array,
+    which is how host backends (numpy, llvm, sim) read and write their splits. A device whose
+    memory the host cannot address reads `tensor(ref)` in its own buffers."""
+
+    def __init__(self, sched, scheduled, values: Mapping[str, np.ndarray | TensorData]):
         self.sched, self.plan = sched, scheduled.plan
         self.ag, self.allocation = scheduled.alloc_graph, scheduled.allocation
         self.user = values
         self.values: dict[int, np.ndarray] = {}
         self.roots: dict[int, np.ndarray] = {}
+        self.tensors: dict[int, TensorData] = {}
         self.compiled: dict = {}
+        self.strides: dict[int, tuple[int, ...]] = {}
 
-    def _slot_raw(self, ref) -> np.ndarray | None:
+    def slot_tensor(self, ref) -> TensorData | None:
+        """The tensor at `ref`'s allocated address (None when it is not allocated)."""
         t = self.ag.tensors.get(id(ref))
         where = self.allocation.addresses.get(id(t)) if t is not None else None
         if where is None:
             return None
         buffer_id, address, _ = where
-        return self.sched.compute_buffers.chunk(buffer_id, address).view(address.offset, t.nbytes)
-
-    def slot(self, ref) -> np.ndarray | None:
-        """The typed array at `ref`'s allocated address (None when it is not allocated)."""
-        raw = self._slot_raw(ref)
-        if raw is None:
-            return None
+        buffer = self.sched.compute_buffers.chunk(buffer_id, address)
         node = ref.src if isinstance(ref, InputCopy) else ref
         dtype = storage_dtype(node.dtype)
         shape = storage_shape(tuple(int(d) for d in node.type.shape), node.dtype)
-        layout = self.ag.tensors[id(ref)].layout[2]
-        return _typed(raw, shape, dtype, tuple(layout[:-1]) + (dtype.itemsize,))
+        strides = tuple(t.layout[2][:-1]) + (dtype.itemsize,)
+        return TensorData(buffer, address.offset, shape, dtype, strides, t.nbytes)
+
+    def slot(self, ref) -> np.ndarray | None:
+        """The typed host array at `ref`'s allocated address (None when it is not allocated)."""
+        td = self.slot_tensor(ref)
+        return td.array() if td is not None else None
+
+    def _leaf(self, ref: Node) -> np.ndarray | TensorData:
+        if ref.name not in self.user:
+            raise ExecError(f"no value for {ref.kind} {ref.name!r} ({ref.type})")
+        value = self.user[ref.name]
+        want = storage_shape(tuple(int(d) for d in ref.type.shape), ref.dtype)
+        if tuple(value.shape) != want or value.dtype != storage_dtype(ref.dtype):
+            raise ExecError(
+                f"{ref.kind} {ref.name!r}: expected {ref.type} (storage {want} "
+                f"{storage_dtype(ref.dtype)}), got {tuple(value.shape)} {value.dtype}"
+            )
+        return value
+
+    def tensor(self, ref) -> TensorData:
+        """Where `ref`'s bytes are: its slot, the caller's leaf, or the memory it views."""
+        hit = self.tensors.get(id(ref))
+        if hit is not None:
+            return hit
+        td = self.slot_tensor(ref)
+        if td is None and isinstance(ref, Node) and ref.is_leaf:
+            value = self._leaf(ref)
+            host = self.sched.bufts[self.sched.cpu]
+            td = value if isinstance(value, TensorData) else TensorData.of_array(host, value)
+        elif td is None and isinstance(ref, Node) and is_view_like(ref):
+            root = self.tensor(view_root(ref))
+            dtype = storage_dtype(ref.dtype)
+            strides = value_strides(ref, self.strides)
+            td = TensorData(
+                root.buffer, root.offset + view_offset(ref),
+                storage_shape(tuple(int(d) for d in ref.type.shape), ref.dtype), dtype,
+                tuple(strides[:-1]) + (dtype.itemsize,), ggml_nbytes(ref, strides),
+            )
+        elif td is None:
+            raise ExecError(f"{self.plan.label(ref)} has no memory (not allocated)")
+        self.tensors[id(ref)] = td
+        return td
 
     def value(self, ref) -> np.ndarray:
+        """`ref` as a host array (in place); BackendError when it lives in device memory."""
         hit = self.values.get(id(ref))
         if hit is not None:
             return hit
         if isinstance(ref, Node) and ref.is_leaf and ref.kind != "input":
-            if ref.name not in self.user:
-                raise ExecError(f"no value for {ref.kind} {ref.name!r} ({ref.type})")
-            value = self.user[ref.name]
-            want = storage_shape(tuple(int(d) for d in ref.type.shape), ref.dtype)
-            if tuple(value.shape) != want or value.dtype != storage_dtype(ref.dtype):
-                raise ExecError(
-                    f"{ref.kind} {ref.name!r}: expected {ref.type} (storage {want} "
-                    f"{storage_dtype(ref.dtype)}), got {tuple(value.shape)} {value.dtype}"
-                )
+            value = self._leaf(ref)
+            if isinstance(value, TensorData):
+                value = value.array()
             self.set(ref, value, value)
             return value
         if isinstance(ref, Node) and not ref.is_leaf and ref.op.is_view:
@@ -114,6 +151,10 @@ class SplitMemory:
             src = ref.inputs[0]
             value = Interpreter()._view(ref, self.value(src), self.root(src), {})
             self.set(ref, value, self.root(src))
+            return value
+        if isinstance(ref, InputCopy) and id(ref) in self.tensors:  # copied into host memory
+            value = self.tensors[id(ref)].array()
+            self.set(ref, value, value)
             return value
         raise ExecError(f"{self.plan.label(ref)} is read before it is computed")
 
@@ -138,14 +179,20 @@ class SplitMemory:
         return slot
 
     def copy_in(self, src: Node, copy: InputCopy, src_backend, dst_backend) -> None:
-        """Move a split input's bytes into its copy on the split's backend."""
-        value = self.value(src)
-        dst_raw = self._slot_raw(copy)
-        src_raw = _raw_window(value, self.root(src), copy.nbytes)
-        if not dst_backend.cpy_tensor_async(src_backend, src_raw, dst_raw):
-            dst_backend.set_tensor_async(dst_raw, src_backend.get_tensor_async(src_raw))
-        typed = _typed(dst_raw, value.shape, value.dtype, value.strides)
-        self.set(copy, typed, typed)
+        """Move a split input's bytes into its copy on the split's backend (ggml_backend_tensor_copy:
+        directly when the destination can, else through the host)."""
+        src_td = self.tensor(src)
+        dst_td = self.slot_tensor(copy)
+        if not dst_backend.cpy_tensor_async(src_backend, src_td, dst_td):
+            dst_backend.set_tensor_async(dst_td, src_backend.get_tensor_async(src_td))
+        self.tensors[id(copy)] = dst_td
+        self.values.pop(id(copy), None)
+
+    def read(self, backend, ref) -> np.ndarray:
+        """A host copy of a value, read through its backend (ggml_backend_tensor_get)."""
+        td = self.tensor(ref)
+        raw = backend.get_tensor_async(td)
+        return np.array(np.ndarray(td.shape, td.dtype, raw, 0, td.strides))
 
 
 def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe: Observe = None) -> bool:
@@ -219,7 +266,7 @@ def execute(
     for leaf in plan.graph.leafs_of_kind("input"):
         if leaf.name not in values:
             raise ExecError(f"no value for input {leaf.name!r} ({leaf.type})")
-        slot = memory.slot(leaf)
+        slot = memory.slot_tensor(leaf)
         if slot is None:
             continue
         value = values[leaf.name]
@@ -228,8 +275,9 @@ def execute(
                 f"input {leaf.name!r}: expected {leaf.type} (storage {slot.shape} {slot.dtype}), "
                 f"got {tuple(value.shape)} {value.dtype}"
             )
-        np.copyto(slot, value)
-        memory.set(leaf, slot, slot)
+        slot.write(value)
+        if slot.buffer.mapped() is not None:
+            memory.set(leaf, slot.array(), slot.array())
     prev = -1
     for split in plan.splits:
         backend = plan.backends[split.backend]
@@ -252,10 +300,8 @@ def execute(
     outputs = {}
     for name, node in plan.graph.outputs.items():
         # a backend that runs nothing (null), or a stopped compute, leaves what memory holds
-        value = memory.values.get(id(node))
-        value = value if value is not None else memory.slot(node)
-        if value is not None:
-            outputs[name] = plan.backend_of(node).get_tensor_async(value)
+        if id(node) in memory.values or id(node) in memory.tensors or memory.slot_tensor(node) is not None:
+            outputs[name] = memory.read(plan.backend_of(node), node)
     return outputs
 
 

@@ -334,6 +334,16 @@ def value_strides(value: Node, cache: dict[int, tuple[int, ...]]) -> tuple[int, 
     return strides
 
 
+def view_offset(value: Node) -> int:
+    """The byte offset of a view-like value's first element from its root's."""
+    from llamir.ir import ops
+
+    if value.is_leaf or not is_view_like(value):
+        return 0
+    own = int(value.op.offset) if isinstance(value.op, ops.View) else 0
+    return own + view_offset(value.inputs[0])
+
+
 def ggml_nbytes(value: Node, strides: tuple[int, ...]) -> int:
     """ggml_nbytes: the byte extent of a (possibly strided) tensor."""
     shape = [int(d) for d in value.type.shape]

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llamir.backends import BackendError, DeviceType, available_backends, backend_from_spec, get_backend
+from llamir.backends import (
+    BackendError,
+    DeviceType,
+    TensorData,
+    available_backends,
+    backend_from_spec,
+    get_backend,
+)
 from llamir.backends.base import BufferType
 from llamir.backends.registry import BUILTINS
 from llamir.backends.sim import SimBackend, SimSpec, parse_sim_spec
@@ -61,7 +68,12 @@ def test_spec_keys():
         ("sim:g:mem=1GiB:mem=2GiB", "mem given twice"),
         ("gpu7", "unknown backend 'gpu7'"),
         ("cpu:fast", "the CPU takes no options"),
-        ("cuda:0:x", "unknown device kind"),
+        ("cuda:0:x", "unknown backend 'cuda'"),
+        ("llvm:x", "neither a device index nor KEY=VALUE"),
+        ("llvm:3", "devices 0..0, not 3"),
+        ("llvm:fast=1", "no option 'fast'"),
+        ("numpy:threads=0", "threads=0: must be >= 1"),
+        ("numpy:threads=2:threads=3", "threads is given twice"),
     ],
 )
 def test_bad_specs_get_clear_errors(bad, message):
@@ -105,9 +117,10 @@ def test_registry_keeps_llvm_and_adds_sim_and_null():
 
 def test_tensor_set_get_count_bytes_and_events():
     gpu = backend_from_spec("sim:g")
-    dst = np.zeros(8, dtype=np.uint8)
+    buf = gpu.device.buffer_type().alloc_buffer(16)
+    dst = TensorData(buf, 8, (8,), np.dtype(np.uint8), (1,), 8)
     gpu.set_tensor_async(dst, np.arange(8, dtype=np.uint8))
-    assert list(gpu.get_tensor_async(dst)) == list(range(8))
+    assert list(gpu.get_tensor_async(dst)) == list(range(8)) and list(dst.read()) == list(range(8))
     assert (gpu.stats.bytes_in, gpu.stats.bytes_out) == (8, 8)
     event = gpu.event_new()
     event.record()

@@ -66,17 +66,39 @@ def test_json_has_plan_placement_and_buffers(capsys, model_path):
     assert set(doc["compute_buffers"]) == {"gpu0", "cpu"}
 
 
-def test_svg_colours_backends_and_marks_copies(capsys, model_path, tmp_path):
-    out_file = tmp_path / "plan.svg"
-    code, _, _ = run(
-        capsys, model_path, "--device", "sim:gpu0", "--n-ctx", "64", "--format", "svg", "--out", str(out_file)
-    )
-    svg = out_file.read_text()
-    assert code == 0 and svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
-    assert 'stroke-dasharray="4,2" marker-end="url(#copy)"' in svg and ">gpu0</text>" in svg
+def test_svg_is_the_layer_picture(capsys, model_path, tmp_path):
     import xml.etree.ElementTree as ET
 
-    ET.fromstring(svg)  # well-formed
+    out_file = tmp_path / "plan.svg"
+    code, _, _ = run(
+        capsys, model_path, "--device", "sim:gpu0", "-ngl", "2", "--n-ctx", "64", "--format", "svg",
+        "--out", str(out_file),
+    )
+    root = ET.fromstring(out_file.read_text())  # well-formed
+    rows = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.get("class") == "row"]
+    assert code == 0 and rows == ["input", "layer 0", "layer 1", "output"]
+    assert {g.get("class") for g in root.iter("{http://www.w3.org/2000/svg}g")} >= {"legend", "band", "copy"}
+
+
+def test_png_of_the_plan_and_of_a_layer(capsys, model_path, tmp_path):
+    for extra, name in (([], "plan.png"), (["--layers", "1"], "layer1.png")):
+        out_file = tmp_path / name
+        code, _, err = run(
+            capsys, model_path, "--device", "sim:gpu0", "-ngl", "2", "--n-ctx", "64", "--format", "png",
+            "--out", str(out_file), *extra,
+        )
+        data = out_file.read_bytes()
+        assert code == 0 and data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", err
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert 300 < width < 3000 and 200 < height < 10000
+
+
+def test_dot_of_chosen_layers(capsys, model_path):
+    code, out, _ = run(capsys, model_path, "--device", "sim:gpu0", "-ngl", "2", "--n-ctx", "64",
+                       "--format", "dot", "--layers", "1,output")
+    assert code == 0 and out.startswith('digraph "llama" {') and out.rstrip().endswith("}")
+    assert "layer 1, output" in out and 'label="mul_mat\\nresult_output"' in out
+    assert "attn_norm-1" in out and 'attn_norm-0"' not in out
 
 
 @pytest.mark.parametrize(
@@ -94,8 +116,20 @@ def test_svg_colours_backends_and_marks_copies(capsys, model_path, tmp_path):
         (["--n-outputs", "2"], "--n-outputs must be in 0..1 (the batch's tokens), got 2"),
         (["--n-ubatch", "-1"], "--n-ubatch must be at least 1, got -1"),
         (["--tensor-split", "nan"], "every share must be a finite number >= 0, got nan"),
+        (["--format", "svg", "--layers", "2"], "--layers '2': '2' is outside the model's layers 0-1"),
+        (["--format", "png", "--layers", "1-x"], "'1-x' is not a layer, a range A-B, 'input' or 'output'"),
+        (["--layers", "1"], "--layers chooses what a picture shows: give --format svg, png, dot"),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, model_path, args, message):
     code, _, err = run(capsys, model_path, "--n-ctx", "64", *args)
     assert code == 1 and message in err and err.count("\n") == 1
+
+
+def test_missing_drawing_tool_is_one_clear_line(capsys, model_path, monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    code, _, err = run(capsys, model_path, "--n-ctx", "64", "--format", "png", "--out", str(tmp_path / "p.png"))
+    assert code == 1 and "needs `rsvg-convert` from the librsvg2-bin package" in err and err.count("\n") == 1
+    assert not (tmp_path / "p.png").exists()

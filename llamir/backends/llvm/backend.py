@@ -23,15 +23,16 @@ from llamir.backends.llvm.codegen import (
 from llamir.backends.llvm.compiler import CodegenError, can_fork, compile_jobs, optimize_and_emit
 from llamir.backends.llvm.compiler import compile_workers as default_compile_workers
 from llamir.backends.llvm.executable import CompiledSplit
-from llamir.backends.llvm.lowering import Lowerer, supported
+from llamir.backends.llvm.lowering import Lowerer, support_table
 from llamir.backends.llvm.runtime import ThreadPool, load_object
 from llamir.backends.llvm.target import Target, host_target
-from llamir.ir import Graph, Node, ops, print_graph
+from llamir.ir import Graph, Node, print_graph
 from llamir.ir.numerics import Numerics, numerics_named
+from llamir.passes.decompose import decompose
 
 log = logging.getLogger("llamir")
 
-DEFAULT_PASSES = "unfuse-attention,cse,fuse-rms-norm,fuse-norm,dce"
+DEFAULT_PASSES = "cse,fuse-rms-norm,fuse-norm,dce"  # after the decomposition of what the table lacks
 
 
 class CompileRecord(NamedTuple):
@@ -113,7 +114,8 @@ class LLVMBackend(Backend):
         that compile kernels in parallel (default: one per CPU; 1 compiles in this process)."""
         self.target = target or host_target()
         self.numerics = numerics_named(numerics)
-        self.device = cpu_device("cpu", f"host CPU (LLVM JIT, {self.target.describe()}, numerics {self.numerics})")
+        super().__init__(cpu_device("cpu", f"host CPU (LLVM JIT, {self.target.describe()}, numerics {self.numerics})"))
+        self.support = support_table(self.target)
         self.n_threads = n_threads or default_threads()
         self.passes = passes
         self.compile_workers = compile_workers or default_compile_workers()
@@ -140,16 +142,13 @@ class LLVMBackend(Backend):
     def set_n_threads(self, n_threads: int) -> None:
         """ggml_backend_cpu_set_n_threads: later runs use `n_threads` (compiled code is unchanged;
         the thread count is a run-time value)."""
-        if n_threads < 1:
-            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        super().set_n_threads(n_threads)
         if n_threads != self.n_threads:
             self.n_threads = n_threads
             _ = self.pool
 
     def supports_op(self, node: Node) -> bool:
-        if node.is_op(ops.SoftMaxAttn):   # decomposed (unfuse-attention) before lowering
-            return True
-        return supported(node, self.target)
+        return self.support(node)
 
     def compile(self, graph: Graph, observe_variant: bool = False) -> CompiledSplit:
         """The split as native code (see the package docstring); BackendError for what it cannot run."""
@@ -171,7 +170,7 @@ class LLVMBackend(Backend):
         stats = CompileStats(history=self.compile_stats.history)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         text = print_graph(graph)
-        passes = "unfuse-attention" if observe_variant else self.passes
+        passes = "" if observe_variant else self.passes
         variant = ("observe|" if observe_variant else "") + f"{self.numerics}|" + passes
         entry_key = self.cache.key(hashlib.sha256(text.encode()).hexdigest(), self.target.key, variant)
         loaded = self.cache.loaded_split(f"{entry_key}|{self.n_threads}")
@@ -198,6 +197,7 @@ class LLVMBackend(Backend):
         the cache, or compiled in parallel), and link them."""
         t0 = time.perf_counter()
         g = _copy_graph(graph)
+        decompose(g, self.support.claims)
         if passes:
             from llamir.passes.pipeline import run_pipeline
 

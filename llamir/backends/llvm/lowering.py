@@ -1,19 +1,21 @@
 """Graph -> Plan: where each value lives and the kernel steps that compute it.
 
 `LOWER` maps op classes to lowering functions (registered by the kernel modules with
-`@lowering(ops.X)`); `supported(node)` is the backend's support table, built from the same
+`@lowering(ops.X)`); `support_table(target)` is the backend's support table, built from the same
 functions' `supports` predicates, so the backend never claims an op it cannot lower.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from llamir.backends.base import BackendError
 from llamir.backends.llvm import expr as E
 from llamir.backends.llvm.expr import Expr
 from llamir.backends.llvm.plan import Buffer, Kernel, Part, Plan, Ref, Step, contiguous_strides, node_shape
 from llamir.backends.llvm.target import Target
+from llamir.backends.support import SupportTable
 from llamir.ir import Graph, Node, ops
 from llamir.ir.numerics import AVX512, Numerics
 
@@ -36,11 +38,13 @@ def lowering(*classes: type, supports: Supports = _always):
     return wrap
 
 
-def supported(node: Node, target: Target) -> bool:
-    if node.op.is_leaf or node.op.is_view:
-        return True
-    entry = LOWER.get(type(node.op))
-    return entry is not None and entry[1](node, target)
+def support_table(target: Target) -> SupportTable:
+    """The backend's support table: every op with a lowering, under its predicate for `target`."""
+    return SupportTable({cls: partial(_supports_on, supports, target) for cls, (_, supports) in LOWER.items()})
+
+
+def _supports_on(supports: Supports, target: Target, node: Node) -> bool:
+    return supports(node, target)
 
 
 class Lowerer:

@@ -17,14 +17,14 @@ class NullBackend(Backend):
     name = "null"
 
     def __init__(self, device_name: str = "null", memory: int = NULL_MEMORY):
-        self.device = Device(
+        super().__init__(Device(
             device_name,
             DeviceType.GPU,
             memory,
             "claims every op, runs nothing",
             caps=DeviceCaps(async_=True, events=True),
             alignment=128,
-        )
+        ))
 
     def supports_op(self, node) -> bool:
         return True

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from llamir.backends.base import Backend, Device, cpu_device, default_threads, op_supported_by_numpy
+from llamir.backends.base import Backend, Device, cpu_device, default_threads
+from llamir.backends.support import SupportTable, numpy_table
 from llamir.ir import Graph, Interpreter
 from llamir.ir.interp import InterpError
 from llamir.ir.interp_kernels import KERNELS
@@ -22,7 +23,8 @@ class NumpyBackend(Backend):
         """`exact`: reproduce ggml's CPU arithmetic bit for bit (the reference), as the build of
         `numerics` (default: the host's) computes it with `n_threads` threads; False sends matmuls
         through BLAS, within float32 rounding of it and much faster (backend name "numpy-fast")."""
-        self.device = device if device is not None else cpu_device()
+        super().__init__(device if device is not None else cpu_device())
+        self.support: SupportTable = numpy_table()
         self.exact = exact
         self.numerics = numerics_named(numerics)
         self.n_threads = 0
@@ -30,8 +32,7 @@ class NumpyBackend(Backend):
 
     def set_n_threads(self, n_threads: int) -> None:
         """The thread count whose ggml work split the reference reproduces (flash attention's)."""
-        if n_threads < 1:
-            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        super().set_n_threads(n_threads)
         if n_threads != self.n_threads:
             self.n_threads = n_threads
             opts = dict(exact=self.exact, numerics=self.numerics, n_threads=n_threads)
@@ -39,7 +40,7 @@ class NumpyBackend(Backend):
             self.plain = Interpreter(cache_weights=False, **opts)  # for weights copied into reused memory
 
     def supports_op(self, node) -> bool:
-        return op_supported_by_numpy(node)
+        return self.support(node)
 
     def compile(self, graph: Graph):
         interp = self.interp

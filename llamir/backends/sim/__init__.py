@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from llamir.backends.base import Device, DeviceCaps, DeviceType, op_batch_size, op_supported_by_numpy
+from llamir.backends.base import Device, DeviceCaps, DeviceType, op_batch_size
 from llamir.backends.numpy import NumpyBackend
 from llamir.backends.sim.spec import SimSpec, SpecError, format_size, parse_sim_spec
+from llamir.backends.support import SupportTable, float_types
 from llamir.ir import Node
 
 __all__ = ["SimBackend", "SimSpec", "SpecError", "format_size", "parse_sim_spec"]
@@ -39,23 +40,24 @@ class SimBackend(NumpyBackend):
         self.spec = spec
         self.predicate = predicate
         self.cost_model = spec.cost
+        self.support = self.support_table(spec, predicate)
+
+    @staticmethod
+    def support_table(spec: SimSpec, predicate: Callable[[Node], bool] | None = None) -> SupportTable:
+        """The numpy table cut down to the spec's ops and float types, and the caller's predicate."""
+        table = NumpyBackend().support
+        if spec.ops is not None:
+            table = table.only(spec.ops & set(table.op_names()))
+        if spec.types is not None:
+            table = table.where(float_types(spec.types))
+        return table.where(predicate) if predicate is not None else table
 
     @classmethod
     def from_spec(cls, text: str, predicate: Callable[[Node], bool] | None = None) -> SimBackend:
         return cls(parse_sim_spec(text), predicate)
 
     def supports_op(self, node: Node) -> bool:
-        if node.is_leaf or node.op.is_view:
-            return True
-        if not op_supported_by_numpy(node):
-            return False
-        if self.spec.ops is not None and node.op.name not in self.spec.ops:
-            return False
-        if self.spec.types is not None:
-            for value in (node, *node.inputs):
-                if not value.dtype.is_int and value.dtype.name not in self.spec.types:
-                    return False
-        return self.predicate is None or bool(self.predicate(node))
+        return self.support(node)
 
     def offload_op(self, node: Node) -> bool:
         threshold = self.spec.offload_batch

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from llamir.backends.base import CostModel
+from llamir.backends.registry import SpecError, parse_bool
 from llamir.ir.dtypes import dtype_named
 from llamir.ir.ops import OPS
 
@@ -57,10 +58,6 @@ KEYS = (
     "async",
     "align",
 )
-
-
-class SpecError(ValueError):
-    """A device spec that cannot be parsed; the message quotes the spec and the bad part."""
 
 
 @dataclass(frozen=True)
@@ -106,15 +103,6 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1.5GB, 1000000)")
     unit = (m.group(2) or "b").lower()
     return int(float(m.group(1)) * _UNITS[unit])
-
-
-def _bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("yes", "true", "on", "1"):
-        return True
-    if low in ("no", "false", "off", "0"):
-        return False
-    raise ValueError(f"expected yes or no, got {text!r}")
 
 
 def _positive(text: str) -> float:
@@ -196,7 +184,7 @@ def _apply(spec: SimSpec, cost: dict, key: str, value: str) -> tuple[SimSpec, di
         return replace(spec, offload_batch=n), cost
     if key in ("host", "events", "async"):
         field_name = {"async": "async_"}.get(key, key)
-        return replace(spec, **{field_name: _bool(value)}), cost
+        return replace(spec, **{field_name: parse_bool(value)}), cost
     if key == "align":
         n = int(value)
         if n <= 0 or n & (n - 1):
