@@ -176,6 +176,8 @@ class Context:
                  ("tg", self._worst_bindings(cg, n_seqs, n_seqs), n_seqs),
                  ("pp", self._worst_bindings(cg, n_tokens, n_seqs), n_tokens)]
         sizes = self.runner.reserve(cg, worst)
+        if self.memory is not None:  # K/V placed on a device are allocated in its memory
+            self.memory.place(cg.placement.buffers())
         for name, size in sizes.items():
             log.info("%10s compute buffer size = %8.2f MiB", name, size / 2**20)
         log.info("graph splits = %d (with bs=%d), %d (with bs=1)", self.runner.n_splits.get("pp", 0), n_tokens,
@@ -286,8 +288,6 @@ class Context:
             if not result.values:  # weights and the memory's buffers are the same tensors every call
                 result.values.update(cg.weights)
                 if mctx is not None:
-                    if not self.runner.single:  # K/V placed on a device live in its memory
-                        self.memory.place(cg.placement.buffers())
                     result.values.update(self.memory.buffers)
             values = result.set_inputs(ubatch, result.values)
             bindings = self._last_bindings = self._bindings(cg.graph, ubatch, mctx, n_outputs)

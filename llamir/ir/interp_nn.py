@@ -13,13 +13,18 @@ from llamir.ir.interp_kernels import _in, f32, from_f32, kernel, to_f32
 
 # -- matmul ------------------------------------------------------------------------------
 def _cached(ctx, a: np.ndarray, dtype: DType, what: str, make):
+    """A prepared weight, cached by its memory's address. The entry holds the memory's owner, so
+    the address cannot be freed and reused by another weight while the entry exists."""
     if ctx.weight_cache is None or not isinstance(a, np.ndarray):
         return make()
     key = (a.__array_interface__["data"][0], a.shape, a.strides, dtype.name, what)
     hit = ctx.weight_cache.get(key)
     if hit is None:
-        hit = ctx.weight_cache[key] = make()
-    return hit
+        owner = a
+        while owner.base is not None:
+            owner = owner.base
+        hit = ctx.weight_cache[key] = (owner, make())
+    return hit[1]
 
 
 def matmul_2d(ctx, a: np.ndarray, a_dtype: DType, b: np.ndarray, cacheable: bool,

@@ -160,6 +160,27 @@ def test_mul_mat_with_weight_cache_matches_a_fresh_interpreter(dtype):
         np.testing.assert_array_equal(cached.run(g.graph, {"a": a, "b": b}, {"T": n_tokens})["y"], fresh)
 
 
+def test_weight_cache_never_serves_a_freed_weights_memory():
+    """The cache keys prepared weights by address; a weight freed and another allocated at the
+    same address must not get the old one's result, so an entry keeps its memory alive."""
+    import gc
+    import weakref
+
+    from llamir.ir.interp import Interpreter
+
+    g = GraphBuilder("t")
+    g.output("y", g.mul_mat(g.weight("a", [4, 64], F16), g.input("b", [2, 64], F32)))
+    cached, b = Interpreter(cache_weights=True, exact=False), _rand((2, 64), 2)
+    for seed in range(4):   # fresh arrays of one size: the allocator hands addresses out again
+        a = _rand((4, 64), 40 + seed, f16)
+        want = Interpreter(exact=False).run(g.graph, {"a": a, "b": b})["y"]
+        np.testing.assert_array_equal(cached.run(g.graph, {"a": a, "b": b})["y"], want)
+        alive = weakref.ref(a)
+        del a
+        gc.collect()
+        assert alive() is not None   # held by the cache entry: its address is not reused
+
+
 # -- mul_mat_id ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_b", [1, 2])
 @pytest.mark.parametrize("n_tokens", [1, 3])

@@ -174,6 +174,8 @@ class _CompiledGraph:
         leaves = {leaf.name: self._on_device(leaf_values[leaf.name]) for leaf in self.graph.leafs}
         arrays = {name: td.buffer.device_array(td) for name, td in leaves.items()}
         results = self.backend.interp.run(self.graph, arrays, bindings, observe)
+        for leaf in self.graph.leafs_of_kind("state"):  # written in place (set_rows): back to the caller
+            np.copyto(leaf_values[leaf.name], leaves[leaf.name].read())
         return {name: self._on_device(value).read() for name, value in results.items()}
 
 
