@@ -53,7 +53,7 @@ def _cpu_backend(backend: str | Backend, numerics: Numerics | str | None, n_thre
     if numerics is not None and getattr(backend, "numerics", None) != numerics_named(numerics):
         raise ContextParamsError(f"numerics={numerics_named(numerics)} was asked for, but the backend "
                                  f"{backend.name} reproduces {getattr(backend, 'numerics', 'no profile')}")
-    if n_threads > 0 and hasattr(backend, "set_n_threads"):
+    if n_threads > 0:
         backend.set_n_threads(n_threads)
     return backend
 
