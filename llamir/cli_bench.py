@@ -143,8 +143,9 @@ def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_prompt: int = 512, n_gen: int = 128,
                  reps: int = 3, flash_attn: str = FLASH_ATTN_DEFAULT, numerics: str | None = None,
-                 isa: str = "host") -> BenchResult:
-    """Time llamir on one GGUF: prompt processing and generation, plus compile and overheads."""
+                 isa: str = "host", devices: list | None = None, placement=None) -> BenchResult:
+    """Time llamir on one GGUF: prompt processing and generation, plus compile and overheads.
+    `devices` (backends in priority order) and `placement` run the model split over them."""
     import llamir
     from llamir.backends import get_backend
 
@@ -164,7 +165,10 @@ def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_pr
     n_ctx = max(n_prompt, n_gen) + 16
     batch = max(n_prompt, 1)
     t0 = time.perf_counter()
-    ctx = llamir.Context(model, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, flash_attn=flash_attn, backend=be)
+    ctx = llamir.Context(model, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, flash_attn=flash_attn, backend=be,
+                         devices=devices or (), placement=placement)
+    if devices:
+        result.extra["devices"] = ", ".join(d.label for d in devices) + f" (splits: {ctx.n_splits})"
     clear = _clear(ctx)
     prompt = _tokens(n_prompt, model.hparams.n_vocab)
     if n_prompt:
@@ -378,9 +382,13 @@ def cmd_bench(args) -> int:
                                      reps=args.reps, flash_attn=args.flash_attn,
                                      build=llama_cpp_build(args.isa, args.llama_cpp_path))
         else:
+            from llamir.cli_devices import device_backends, placement_params
+
+            devices = device_backends(args)
             result = bench_llamir(path, backend=args.backend, threads=args.threads, n_prompt=args.n_prompt,
                                   n_gen=args.n_gen, reps=args.reps, flash_attn=args.flash_attn,
-                                  numerics=args.numerics, isa=args.isa)
+                                  numerics=args.numerics, isa=args.isa, devices=devices,
+                                  placement=placement_params(args) if devices else None)
     except (RuntimeError, ValueError) as err:
         raise CliError(str(err)) from None
     if args.json:
@@ -388,9 +396,9 @@ def cmd_bench(args) -> int:
         return 0
     print(f"{result.engine}  {result.model}  threads={result.threads}")
     print(f"  cpu    {cpu_isa()}")
-    for key in ("isa", "system_info"):
+    for key in ("isa", "system_info", "devices"):
         if key in result.extra:
-            print(f"  {'build' if key == 'system_info' else 'target':6s} {result.extra[key]}")
+            print(f"  {dict(system_info='build', isa='target').get(key, key):6s} {result.extra[key]}")
     if result.pp_tokens:
         print(f"  pp{result.pp_tokens:<5d} {result.pp_tps:10.1f} tok/s")
     if result.tg_tokens:
@@ -420,6 +428,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--llama-cpp-path", default=None, dest="llama_cpp_path",
                    help=f"directory of the llama_cpp package to bench (default for --isa avx2: {AVX2_LLAMA_CPP})")
     add_numerics_option(p)
+    from llamir.cli_devices import add_device_args
+
+    add_device_args(p)
     p.set_defaults(func=cmd_bench)
 
 

@@ -149,3 +149,18 @@ def test_backend_ops_pass_on_the_device(example, capsys):
     m = re.search(r"(\d+)/(\d+) tests passed", out)
     assert m and m.group(1) == m.group(2) and int(m.group(2)) > 200
     assert "SET_ROWS" in out and "MUL_MAT(type_a=q8_0" in out
+
+
+def test_perplexity_and_bench_take_the_device(example, model_path, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 12)
+    args = ["perplexity", str(model_path), "-f", str(text), "-c", "32"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    assert "Final estimate: PPL = " in want
+    assert main([*args, "--device", "example", "-ngl", "99"]) == 0
+    assert capsys.readouterr().out == want
+    assert main(["bench", str(model_path), "-p", "8", "-n", "2", "--reps", "1", "--device", "example"]) == 0
+    assert "devices example0 (splits: {'pp': 2, 'tg': 2" in capsys.readouterr().out
+    assert main(["run", str(model_path), "-p", "hi", "-n", "2", "--device", "cpu"]) == 1
+    assert "the CPU runs --backend llvm; give only devices" in capsys.readouterr().err
