@@ -46,3 +46,17 @@ def test_layers_import_downwards_only():
             if layer is not None and layer > own and not (LAYERS[own] == "testing" and LAYERS[layer] == "cli"):
                 wrong.append(f"{path.relative_to(ROOT.parent)}:{line} ({LAYERS[own]}) imports {target}")
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+PUBLIC = {"llamir", "llamir.backends", "llamir.ir", "llamir.testing.backend_ops"}
+
+
+def test_plugins_use_only_the_public_api():
+    """A plugin imports llamir's packages, never their modules (what they re-export is the API)."""
+    plugins = ROOT.parent / "plugins"
+    wrong = []
+    for path in sorted(plugins.rglob("*.py")):
+        for line, target in _imports(path):
+            if target.startswith("llamir") and not target.startswith("llamir_") and target not in PUBLIC:
+                wrong.append(f"{path.relative_to(plugins)}:{line} imports {target}")
+    assert list(plugins.rglob("*.py")) and not wrong, "\n".join(wrong)
