@@ -20,8 +20,6 @@ from llamir.sched.plan import InputCopy, format_bytes
 from llamir.sched.render import RenderError, render_dot, svg_to_png
 
 SVG = "{http://www.w3.org/2000/svg}"
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz (dot) is not installed")
-needs_rsvg = pytest.mark.skipif(shutil.which("rsvg-convert") is None, reason="librsvg2-bin is not installed")
 
 
 def plan_of(model, n_gpu_layers: int, overrides=()):
@@ -148,14 +146,12 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-@needs_rsvg
 def test_layer_picture_png_is_drawn_one_to_one(half_plan):
     svg = plan_to_svg(half_plan)
     root = ET.fromstring(svg)
     assert png_size(svg_to_png(svg)) == (int(root.get("width")), int(root.get("height")))
 
 
-@needs_dot
 def test_node_graph_renders_as_svg_and_png(half_plan):
     dot = plan_to_dot(half_plan, {1})
     root = ET.fromstring(render_dot(dot, "svg"))
