@@ -1,12 +1,14 @@
-"""The backend interface, after ggml-backend: Device, BufferType, Buffer, Backend, Event.
+"""The backend interface, after ggml-backend: Device, BufferType, Buffer, TensorData, Backend, Event.
 
-A Device describes hardware (type, memory, capabilities) and hands out buffer types and
-backends. A BufferType allocates Buffers (byte arrays with an alignment and a usage). A
-Backend runs ops: `supports_op`, `supports_buft`, `offload_op`, tensor get/set/copy, events,
-and two ways to execute: `compile(graph)` for a whole graph (values by name), and
-`graph_compute(split, memory)` for one split of a scheduled graph whose tensors live in
-allocated buffers (SplitRun and SplitMemory below; the scheduler's executor implements them).
-The default graph_compute goes through compile.
+A Device describes hardware (type, memory, capabilities, whether it is usable) and hands out its
+buffer type. A BufferType allocates Buffers: opaque device memory behind set/get bytes, copy and
+clear (HostBuffer is host memory with zero-copy numpy views). TensorData says where a tensor's
+bytes are in a buffer. A Backend (an ABC: a device and `supports_op` are required) runs ops,
+with optional hooks (`supports_buft`, `offload_op`, `cost_model`, `set_n_threads`, `close`,
+tensor get/set/copy, events) and two ways to execute: `compile(graph)` for a whole graph (values
+by name), and `graph_compute(split, memory)` for one split of a scheduled graph whose tensors
+live in allocated buffers (SplitRun and SplitMemory below; the scheduler's executor implements
+them). The default graph_compute goes through compile.
 
 Every call here is synchronous: the "async" methods complete before they return, and events
 only count records and waits, which is all a simulated device needs to be observable.

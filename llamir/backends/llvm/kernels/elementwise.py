@@ -42,7 +42,9 @@ class Elementwise(Kernel):
         self.out_dtype = out.dtype.name
         self.in_dtypes = tuple(r.dtype.name for r in inputs)
         self.modes = tuple(axis_modes(r.shape, out.shape) for r in inputs)
-        self.elem_sizes = (out.strides[-1],) + tuple(r.strides[-1] for r in inputs)
+        # a unit's bytes come from its dtype, never from the last stride: a transposed or strided
+        # view's last stride is not its element size, and only a unit step may load a vector
+        self.elem_sizes = (_unit_bytes(out),) + tuple(_unit_bytes(r) for r in inputs)
         ints = list(out.shape) + list(out.strides)
         for r in inputs:
             ints += list(r.shape) + list(r.strides)
@@ -92,7 +94,7 @@ class Elementwise(Kernel):
     def _load(self, em: Emitter, row, c, lanes: int, step, length, i: int):
         dtype = self.in_dtypes[i]
         mode = self.modes[i][3]
-        ety = _elem_type(dtype, self.elem_sizes[1 + i])
+        ety = storage_type(dtype)
         size = self.elem_sizes[1 + i]
         if mode == "one":
             x = em.load(ety, row, 0)
@@ -129,10 +131,11 @@ class Elementwise(Kernel):
                 em.store(em.b.extract_element(y, ir.Constant(I32, j)), out_row, em.mul(em.add(c, j), step))
 
 
-def _elem_type(dtype: str, size: int) -> ir.Type:
-    if dtype in FLOAT_STORAGE or dtype in INT_STORAGE:
-        return storage_type(dtype)
-    return ir.IntType(8 * size)
+def _unit_bytes(ref: Ref) -> int:
+    """The bytes of one element of `ref` (quantized rows come as bytes: elementwise_lower._bytes)."""
+    if ref.dtype.block_size != 1:
+        raise ValueError(f"element-wise kernels take whole elements, got {ref.dtype.name} of shape {ref.shape}")
+    return ref.dtype.type_size
 
 
 def _index(em: Emitter, i, mode: str, n):

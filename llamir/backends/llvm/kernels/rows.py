@@ -13,6 +13,7 @@ from llamir.backends.llvm import vmath
 from llamir.backends.llvm.emit import F32, F64, I32, I64, Emitter, storage_type, vec
 from llamir.backends.llvm.kernels.elementwise import axis_modes
 from llamir.backends.llvm.plan import Kernel, Ref
+from llamir.ir import dtype_named
 
 
 def row_pointer(em: Emitter, ptr, r, shape3, strides3, modes=("eq", "eq", "eq"), in_shape3=None):
@@ -34,11 +35,17 @@ def row_pointer(em: Emitter, ptr, r, shape3, strides3, modes=("eq", "eq", "eq"),
 
 
 def load_row_value(em: Emitter, row, col, dtype: str, step, lanes: int = 0):
-    """Element(s) `col`.. of a row as f32 (contiguous vector load when lanes and step is the size)."""
+    """Element(s) `col`.. of a row as f32: one vector load when the step is the element size, one
+    load a lane otherwise (a transposed or strided row)."""
     ety = storage_type(dtype)
-    if lanes:
+    if not lanes:
+        return em.to_f32(em.load(ety, row, em.mul(col, step)), dtype)
+    if isinstance(step, int) and step == dtype_named(dtype).type_size:
         return em.to_f32(em.load(vec(ety, lanes), row, em.mul(col, step)), dtype)
-    return em.to_f32(em.load(ety, row, em.mul(col, step)), dtype)
+    x = ir.Constant(vec(ety, lanes), None)
+    for j in range(lanes):
+        x = em.b.insert_element(x, em.load(ety, row, em.mul(em.add(col, j), step)), ir.Constant(I32, j))
+    return em.to_f32(x, dtype)
 
 
 class RowNorm(Kernel):
