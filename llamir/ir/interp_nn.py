@@ -21,7 +21,7 @@ def _cached(ctx, a: np.ndarray, dtype: DType, what: str, make):
     hit = ctx.weight_cache.get(key)
     if hit is None:
         owner = a
-        while owner.base is not None:
+        while getattr(owner, "base", None) is not None:   # up to the array's memory (an mmap, ...)
             owner = owner.base
         hit = ctx.weight_cache[key] = (owner, make())
     return hit[1]
