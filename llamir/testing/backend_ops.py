@@ -12,7 +12,6 @@ ggml's per-op NMSE bounds. `mode="perf"` times each case instead (us/run, GFLOPS
 from __future__ import annotations
 
 import time
-import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -152,19 +151,6 @@ def run_backend_ops(backend: Backend | str, ops: list[str] | None = None, mode: 
     return report
 
 
-# A backend may cache prepared weights by their address (the numpy backend does), as ggml keeps a
-# model's weight buffers for the backend's life: the weights given to a backend live as long as it.
-_WEIGHTS_GIVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _keep_weights(backend: Backend, case: Case, values: dict) -> None:
-    try:
-        kept = _WEIGHTS_GIVEN.setdefault(backend, [])
-    except TypeError:          # a backend that takes no weak references: keep nothing
-        return
-    kept.extend(values[leaf.name] for leaf in case.graph.leafs if leaf.kind == "weight")
-
-
 def case_seed(case: Case, seed: int) -> int:
     return zlib.crc32(f"{seed}|{case.name}".encode())
 
@@ -180,7 +166,6 @@ def run_case(backend: Backend, case: Case, reference: Interpreter, mode: str = "
     try:
         run = backend.compile(case.graph)
         ours = {name: v.copy() for name, v in values.items()}
-        _keep_weights(backend, case, ours)
         if mode == "perf":
             return _perf(run, case, ours, result, perf_seconds)
         got = run(ours, dict(case.bindings))
