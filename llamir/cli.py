@@ -335,7 +335,7 @@ def cmd_graph(args) -> int:
     if args.n_tokens is not None and args.n_tokens > ctx.cparams.n_ctx:
         raise CliError(f"--n-tokens {args.n_tokens} is more than the context's {ctx.cparams.n_ctx} cells "
                        f"(--n-ctx {args.n_ctx}): one batch cannot hold more tokens than the context")
-    graph = model.build_graph(ctx.graph_config(has_tokens=True))
+    graph = model.build_graph(ctx.graph_config(has_tokens=True)).graph
     if args.n_tokens is not None:
         from llamir.ir.bind import bind_dims
 

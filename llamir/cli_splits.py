@@ -52,10 +52,12 @@ def plan_model(
     worst-case graphs (n_ubatch-token prompt, 1-token generation) for the compute buffers."""
     from llamir.frontend.placement import place_model
     from llamir.ir.bind import bind_dims
+    from llamir.sched.layers import rows_of
     from llamir.sched.scheduler import Scheduler
 
-    graph = model.build_graph(graph_config(model, n_ctx, flash_attn))
-    placement = place_model(model, graph, devices, params)
+    built = model.build_graph(graph_config(model, n_ctx, flash_attn))
+    graph = built.graph
+    placement = place_model(model, built, devices, params)
     placement.apply(graph)
     sched = Scheduler(placement.backends, placement.buffers(), op_offload=op_offload, n_copies=n_copies)
     reserve = reserve_batches(placement.backends, min(n_ctx, n_ubatch))
@@ -65,6 +67,7 @@ def plan_model(
     placement.check_memory(sched.buffer_sizes())
     bound = bind_dims(graph, {"T": n_tokens, "n_kv": n_ctx, "n_out": n_outputs})
     plan = sched.split_graph(bound, placement.pins(bound, n_tokens))
+    plan.rows = rows_of(built.layers.of(bound), model.hparams.n_layer)
     return SplitsReport(placement, plan, sched.buffer_sizes(), reserve)
 
 

@@ -131,7 +131,7 @@ class Context:
                          layers=tuple(range(self.model.hparams.n_layer)))
         config = GraphConfig(kv=probe, rope=cp.rope, flash_attn=True, causal_attn=cp.causal_attn)
         if self.runner.single:
-            graph = self.model.build_graph(config)
+            graph = self.model.build_graph(config).graph
             return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
         cg = self.runner.compiled(config)
         ok = self.runner.flash_attn_placed_well(cg, self._worst_bindings(cg, 1, 1))
@@ -282,7 +282,8 @@ class Context:
             else:
                 self._prev = None      # a graph that failed to build is never reused
                 cg = self.compiled_graph(self.graph_config(ubatch.tokens is not None, encoder))
-                result = GraphResult(cg, None, params, build_inputs(self, cg.graph, ubatch, mctx, params, encoder))
+                result = GraphResult(cg, None, params, build_inputs(self, cg.built.inputs, ubatch, mctx, params,
+                                                                   encoder))
                 self._prev = result
             cg = result.graph
             if not result.values:  # weights and the memory's buffers are the same tensors every call

@@ -4,6 +4,7 @@ that ties a compiled graph to them (llm_graph_result) with llama.cpp's reuse tes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -12,6 +13,7 @@ import numpy as np
 
 from llamir.context.batch import UBatch
 from llamir.context.kv_cache import KVCacheContext, is_masked_swa
+from llamir.frontend.built import InputSpec
 
 
 class GraphParams(NamedTuple):
@@ -250,32 +252,73 @@ class InputCls(GraphInput):
         values["inp_cls"] = np.asarray(target_row, dtype=np.int32)
 
 
-def build_inputs(ctx, graph, ubatch: UBatch, mctx, params: GraphParams, encoder: bool) -> list[GraphInput]:
-    """The input objects for the leaves `graph` declares."""
-    hp, cp = ctx.model.hparams, ctx.cparams
-    names = {leaf.name for leaf in graph.leafs_of_kind("input")}
-    mask_dtype = np.float16 if cp.flash_attn else np.float32
-    alibi = hp.f_max_alibi_bias > 0
-    inputs: list[GraphInput] = [InputEmbd(ubatch.tokens is not None)]
-    if "inp_pos" in names:
-        inputs.append(InputPos())
-    if "inp_out_ids" in names:
-        inputs.append(InputOutIds(n_outputs=params.n_outputs))
-    causal = cp.causal_attn and not encoder
-    if mctx is None:
-        for suffix in ("", "_swa"):
-            if "attn_inp_kq_mask" + suffix in names:
-                inputs.append(InputAttnNoCache(causal, mask_dtype, alibi, hp.n_swa if suffix else 0,
-                                               hp.swa_type if suffix else "none", suffix))
-    else:
-        for sub in mctx.contexts():
-            if sub.cache.layout.layers:
-                inputs.append(InputAttnKV(sub, hp.n_embd_v_gqa(), causal, mask_dtype, alibi,
-                                          sub.cache.layout.suffix))
-    if "inp_mean" in names:
-        inputs.append(InputMean())
-    if "inp_cls" in names:
-        inputs.append(InputCls(last=cp.pooling_type == "last" or (cp.pooling_type == "rank" and causal)))
+@dataclass(frozen=True)
+class InputEnv:
+    """What an input object is made from besides its spec: the context's settings, the ubatch's
+    graph params and the memory context of this ubatch (None without memory)."""
+
+    hp: object
+    cparams: object
+    params: GraphParams
+    mctx: object
+    causal: bool
+
+    @property
+    def mask_dtype(self) -> np.dtype:
+        return np.dtype(np.float16 if self.cparams.flash_attn else np.float32)
+
+    @property
+    def alibi(self) -> bool:
+        return self.hp.f_max_alibi_bias > 0
+
+
+def _attn_kv(spec, env: InputEnv) -> GraphInput:
+    suffix = spec.param("suffix", "")
+    if env.mctx is None:
+        raise ValueError(f"the graph reads the KV cache{' ' + suffix if suffix else ''}, but the context has no memory")
+    for sub in env.mctx.contexts():
+        if sub.cache.layout.suffix == suffix:
+            return InputAttnKV(sub, env.hp.n_embd_v_gqa(), env.causal, env.mask_dtype, env.alibi, suffix)
+    raise ValueError(f"the graph reads a KV cache with suffix {suffix!r} that the memory does not have")
+
+
+def _attn_no_cache(spec, env: InputEnv) -> GraphInput:
+    swa = bool(spec.param("suffix", ""))
+    return InputAttnNoCache(env.causal, env.mask_dtype, env.alibi, env.hp.n_swa if swa else 0,
+                            env.hp.swa_type if swa else "none", spec.param("suffix", ""))
+
+
+def _cls(spec, env: InputEnv) -> GraphInput:
+    pooling = env.cparams.pooling_type
+    return InputCls(last=pooling == "last" or (pooling == "rank" and env.causal))
+
+
+# llm_graph_input_* by the kind of the builder's InputSpec (llamir.frontend.built)
+INPUT_KINDS: dict[str, Callable[[InputSpec, InputEnv], GraphInput]] = {
+    "embd": lambda spec, env: InputEmbd(bool(spec.param("has_tokens"))),
+    "pos": lambda spec, env: InputPos(),
+    "out_ids": lambda spec, env: InputOutIds(n_outputs=env.params.n_outputs),
+    "attn_kv": _attn_kv,
+    "attn_no_cache": _attn_no_cache,
+    "mean": lambda spec, env: InputMean(),
+    "cls": _cls,
+}
+
+
+def build_inputs(ctx, specs, ubatch: UBatch, mctx, params: GraphParams, encoder: bool) -> list[GraphInput]:
+    """The input objects of a built graph's input specs, each made by its kind (INPUT_KINDS)."""
+    env = InputEnv(ctx.model.hparams, ctx.cparams, params, mctx, ctx.cparams.causal_attn and not encoder)
+    inputs = []
+    for spec in specs:
+        make = INPUT_KINDS.get(spec.kind)
+        if make is None:
+            raise ValueError(f"the graph declares an input of kind {spec.kind!r} ({', '.join(spec.leaves)}) that "
+                             f"the context cannot fill (kinds: {', '.join(sorted(INPUT_KINDS))})")
+        inp = make(spec, env)
+        if tuple(inp.leaf_names) != tuple(spec.leaves) and spec.kind != "attn_kv":
+            raise ValueError(f"input {spec.kind}: the graph's leaves {spec.leaves} are not the input's "
+                             f"{tuple(inp.leaf_names)}")
+        inputs.append(inp)
     return inputs
 
 

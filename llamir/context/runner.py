@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llamir.backends import Backend, BufferUsage, TensorData
 from llamir.backends.base import alloc_tensors
+from llamir.frontend.built import BuiltGraph
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.placement import Placement, PlacementParams, place_model
 from llamir.ir import ops
@@ -31,6 +32,7 @@ class CompiledGraph:
     weights: dict
     executable: object | None
     bound: dict
+    built: BuiltGraph   # the graph's input specs, memory layouts and layer map
 
 
 class Runner:
@@ -55,8 +57,9 @@ class Runner:
 
     def compiled(self, config: GraphConfig) -> CompiledGraph:
         if config not in self.graphs:
-            graph = self.model.build_graph(config)
-            placement = place_model(self.model, graph, self.backends, self.placement_params)
+            built = self.model.build_graph(config)
+            graph = built.graph
+            placement = place_model(self.model, built, self.backends, self.placement_params)
             placement.apply(graph)
             if self.sched is None:
                 self.sched = Scheduler(placement.backends, placement.buffers(), op_offload=self.op_offload)
@@ -72,7 +75,7 @@ class Runner:
                     raise BackendError(f"backend {self.cpu.name} cannot run: {names}")
                 executable = self.cpu.compile(graph)
             weights = self._resident(placement, placement.weight_values(self.model, graph))
-            self.graphs[config] = CompiledGraph(graph, placement, weights, executable, {})
+            self.graphs[config] = CompiledGraph(graph, placement, weights, executable, {}, built)
         return self.graphs[config]
 
     def _resident(self, placement: Placement, weights: dict) -> dict:
@@ -130,10 +133,12 @@ class Runner:
         """flash_attn=auto: every __fattn__-il node must land on layer il's device (llama.cpp
         turns flash attention off otherwise)."""
         plan = self.plan(cg, bindings, 1)
-        for node in self._bound(cg, bindings).nodes:
+        bound = self._bound(cg, bindings)
+        layer_of = cg.placement.layers.of(bound)
+        for node in bound.nodes:
             if not node.is_op(ops.FlashAttnExt):
                 continue
-            il = int((node.name or "-0").rsplit("-", 1)[1])
+            il = layer_of[id(node)]
             device = cg.placement.layer_device[il]
             placed = plan.backend_of(node).label
             if placed != device:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llamir.frontend.built import INPUT_LAYER, BuiltGraph, InputSpec, LayerMap
 from llamir.frontend.graph_kv import KVGraph, KVLayout, NoCacheGraph, TokenDims
 from llamir.frontend.hparams import HParams
 from llamir.ir import F16, F32, I32, GraphBuilder, Node, dims, ops, sym
@@ -112,7 +113,11 @@ class GraphContext:
         self.n_kv, self.n_out = sym("n_kv"), sym("n_out")
         self._weights: dict[str, Node] = {}
         self._pos: Node | None = None
+        self._out_ids: Node | None = None
         self._layer_attn: dict[int, object] = {}
+        self._inputs: list[InputSpec] = []
+        self.layer = INPUT_LAYER
+        self._marks: list[tuple[int, int, int]] = []   # (layer, first node, first leaf) as blocks begin
         if config.kv is None:
             self.kv = NoCacheGraph(self.b, tokens, config.flash_attn)
             self.kv_swa = NoCacheGraph(self.b, tokens, config.flash_attn, "_swa") if self.hp.n_swa else None
@@ -121,6 +126,46 @@ class GraphContext:
             self.kv = KVGraph(self.b, self.hp, config.kv, tokens, self.n_kv, config.flash_attn, iswa)
             self.kv_swa = (KVGraph(self.b, self.hp, config.kv_swa, tokens, sym("n_kv_swa"), config.flash_attn,
                                    iswa) if iswa else None)
+
+    # -- layers -------------------------------------------------------------------------------
+    def layers(self):
+        """The block indices, each entered in turn: what is built inside block il is in layer il,
+        what comes after the last block in the output layer (n_layer)."""
+        for il in range(self.hp.n_layer):
+            self._enter(il)
+            yield il
+        self._enter(self.hp.n_layer)
+
+    def _enter(self, layer: int) -> None:
+        graph = self.b.graph
+        self._marks.append((layer, len(graph.nodes), len(graph.leafs)))
+        self.layer = layer
+
+    def built(self) -> BuiltGraph:
+        """The graph with its input specs, memory layouts and layer map."""
+        graph = self.b.graph
+        marks = [(INPUT_LAYER, 0, 0), *self._marks]
+
+        def layer_at(index: int, which: int) -> int:
+            layer = INPUT_LAYER
+            for mark in marks:
+                if mark[which] <= index:
+                    layer = mark[0]
+            return layer
+
+        nodes = tuple(layer_at(i, 1) for i in range(len(graph.nodes)))
+        leafs = {leaf.name: INPUT_LAYER if leaf.kind == "input" else layer_at(i, 2)
+                 for i, leaf in enumerate(graph.leafs)}
+        inputs = list(self._inputs)
+        for attention in (self.kv, self.kv_swa):
+            spec = attention.input_spec() if attention is not None else None
+            if spec is not None:
+                inputs.append(spec)
+        memory = tuple(lay for lay in (self.config.kv, self.config.kv_swa) if lay is not None)
+        return BuiltGraph(graph, tuple(inputs), memory, LayerMap(nodes, leafs, self.hp.n_layer))
+
+    def _declare(self, spec: InputSpec) -> None:
+        self._inputs.append(spec)
 
     # -- weights ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -144,18 +189,24 @@ class GraphContext:
     def inp_embd(self) -> Node:
         """Token embeddings [T, n_embd]: get_rows of token_embd, or the caller's vectors."""
         if self.config.input_kind == "embd":
+            self._declare(InputSpec("embd", ("inp_embd",), {"has_tokens": False}))
             return self.b.input("inp_embd", [self.T, self.hp.n_embd], F32)
+        self._declare(InputSpec("embd", ("inp_tokens",), {"has_tokens": True}))
         tokens = self.b.input("inp_tokens", [self.T], I32)
         return self.b.get_rows(self.w("token_embd.weight"), tokens, name="inp_embd")
 
     def inp_pos(self) -> Node:
         if self._pos is None:
+            self._declare(InputSpec("pos", ("inp_pos",)))
             self._pos = self.b.input("inp_pos", [self.T], I32)
         return self._pos
 
     def inp_out_ids(self) -> Node:
         """Always present (even when every token outputs) so the topology never changes."""
-        return self.b.input("inp_out_ids", [self.n_out], I32)
+        if self._out_ids is None:
+            self._declare(InputSpec("out_ids", ("inp_out_ids",)))
+            self._out_ids = self.b.input("inp_out_ids", [self.n_out], I32)
+        return self._out_ids
 
     # -- blocks -------------------------------------------------------------------------------
     def norm(self, x: Node, weight: Node | None, bias: Node | None = None, kind: str = "rms",
@@ -243,9 +294,11 @@ class GraphContext:
             self.b.graph.dim_names = self.b.graph.dim_names + ("n_seqs",)
             n_seqs = sym("n_seqs")
         if kind == "mean":
+            self._declare(InputSpec("mean", ("inp_mean",)))
             weights = self.b.input("inp_mean", [n_seqs, self.n_out], F32)                  # [n_seqs, T]
             pooled = self.b.mul_mat(self.b.cont(self.b.transpose(embd)), weights)          # [n_seqs, E]
         elif kind in ("cls", "last", "rank"):
+            self._declare(InputSpec("cls", ("inp_cls",), {"pooling": kind}))
             rows = self.b.input("inp_cls", [n_seqs], I32)
             pooled = self.b.get_rows(embd, rows)                                           # [n_seqs, E]
             if kind == "rank":
@@ -268,5 +321,5 @@ def mask_dtype(flash_attn: bool):
     return F16 if flash_attn else F32
 
 
-__all__ = ["DIM_NAMES", "GraphConfig", "GraphContext", "GraphOutputs", "KVLayout", "RopeParams", "mask_dtype",
-           "ops"]
+__all__ = ["DIM_NAMES", "BuiltGraph", "GraphConfig", "GraphContext", "GraphOutputs", "InputSpec", "KVLayout",
+           "LayerMap", "RopeParams", "mask_dtype", "ops"]

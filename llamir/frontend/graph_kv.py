@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llamir.frontend.built import InputSpec
 from llamir.frontend.hparams import HParams
 from llamir.ir import F16, F32, I32, I64, DType, GraphBuilder, Node, dims, ops
 from llamir.ir.dims import Dim
@@ -150,6 +151,12 @@ class KVGraph(AttentionGraph):
             self._inputs[name] = self.b.input(name, shape, dtype)
         return self._inputs[name]
 
+    def input_spec(self):
+        """The attn_kv input of this cache, when the graph reads it (llm_graph_input_attn_kv)."""
+        if not self._inputs:
+            return None
+        return InputSpec("attn_kv", tuple(self._inputs), {"suffix": self.layout.suffix})
+
     def k_idxs(self) -> Node:
         return self._input("attn_inp_k_idxs", [self.tok.T], I64)
 
@@ -239,6 +246,12 @@ class NoCacheGraph(AttentionGraph):
         super().__init__(b, tokens, flash_attn)
         self.suffix = suffix
         self._mask: Node | None = None
+
+    def input_spec(self):
+        """The attn_no_cache input, when the graph reads it (llm_graph_input_attn_no_cache)."""
+        if self._mask is None:
+            return None
+        return InputSpec("attn_no_cache", (self._mask.name,), {"suffix": self.suffix})
 
     def kq_mask(self) -> Node:
         if self._mask is None:

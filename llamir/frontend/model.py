@@ -9,9 +9,9 @@ import numpy as np
 
 from llamir.frontend.arch import ARCHS, ArchError, Architecture
 from llamir.frontend.gguf_file import GGUFError, GGUFFile, GGUFTensor
-from llamir.frontend.graph_context import GraphConfig, GraphContext
+from llamir.frontend.graph_context import BuiltGraph, GraphConfig, GraphContext
 from llamir.frontend.hparams import HParams, load_hparams
-from llamir.ir import BF16, Graph
+from llamir.ir import BF16
 
 
 class ModelError(ValueError):
@@ -67,14 +67,15 @@ class Model:
             data = data.view(np.uint16).reshape(t.shape)
         return data
 
-    def build_graph(self, config: GraphConfig) -> Graph:
-        """The architecture's graph for `config` (symbolic in T, n_kv and n_out)."""
+    def build_graph(self, config: GraphConfig) -> BuiltGraph:
+        """The architecture's graph for `config` (symbolic in T, n_kv and n_out), with its input
+        specs, memory layouts and layer map."""
         if self.arch is None:
             raise ModelError(f"{self.path}: the model was loaded vocab-only (architecture {self.arch_name!r}); "
                              "load it without vocab_only to build its graph")
         g = GraphContext(self, config)
         self.arch.build(g)
-        return g.b.graph
+        return g.built()
 
     def __repr__(self) -> str:
         hp = self.hparams

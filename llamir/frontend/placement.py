@@ -1,6 +1,6 @@
 """Where the weights and the KV cache live, like llama.cpp's load_tensors (src/llama-model.cpp).
 
-    placement = place_model(model, graph, [gpu0, gpu1, cpu], PlacementParams(n_gpu_layers=20))
+    placement = place_model(model, built, [gpu0, gpu1, cpu], PlacementParams(n_gpu_layers=20))
     placement.apply(graph)                      # a tied output gets its own leaf on its device
     sched = Scheduler(placement.backends, placement.buffers())
 
@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llamir.backends.base import Backend
+from llamir.frontend.built import INPUT_LAYER, BuiltGraph, LayerMap
 from llamir.ir import Graph, Node, ops
 from llamir.sched.scheduler import TensorBuffer
 
 SPLIT_MODES = ("none", "layer")
-INPUT_TENSORS = ("token_embd.", "token_embd_norm.", "position_embd.", "token_types.")
 OP_OFFLOAD_MIN_BATCH = 32  # graph_get_cb pins norms below this batch size
 
 
@@ -66,6 +66,7 @@ class Placement:
     sources: dict[str, str] = field(default_factory=dict)  # leaf name -> GGUF tensor it duplicates
     weight_bytes: dict[str, int] = field(default_factory=dict)
     state_bytes: dict[str, int] = field(default_factory=dict)
+    layers: LayerMap | None = None  # the layer of every value of the placed graph
 
     @property
     def backends(self) -> list[Backend]:
@@ -131,9 +132,12 @@ class Placement:
         for small batches or full offload; without offload_kqv the attention output to the CPU."""
         out: dict[Node, str] = {}
         if n_tokens < OP_OFFLOAD_MIN_BATCH or self.full_offload:
+            layer_of = self.layers.of(graph)
             for node in graph.nodes:
-                il = _norm_layer(node)
-                if il is None or il >= len(self.layer_device):
+                if not _is_layer_norm(node):
+                    continue
+                il = layer_of[id(node)]
+                if not 0 <= il < len(self.layer_device):
                     continue
                 backend = self.backend(self.layer_device[il])
                 if backend.supports_op(node):
@@ -192,36 +196,13 @@ def _ranges(items: list[str]) -> str:
     return ",".join(out)
 
 
-_LAYER = re.compile(r"^blk\.(\d+)\.")
-
-
-def tensor_layer(name: str) -> int | str:
-    """The layer index of a tensor, or "input" / "output"."""
-    m = _LAYER.match(name)
-    if m:
-        return int(m.group(1))
-    if name.startswith(INPUT_TENSORS):
-        return "input"
-    if name.startswith("rope_freqs."):
-        return 0  # llama.cpp creates it per layer; the graph shares layer 0's
-    return "output"
-
-
-def _norm_layer(node: Node) -> int | None:
-    """The layer of a tensor llama.cpp names "norm" (or "l_last"): the normalization whose
-    result is then scaled by a layer's norm weight."""
-    name = node.name or ""
-    for base in ("norm-", "l_last-"):
-        if name.startswith(base) and name[len(base) :].isdigit():
-            return int(name[len(base) :])
-    if not node.is_op(ops.RmsNorm, ops.Norm):
-        return None
-    for user in node.users:
-        if user.is_op(ops.Mul) and user.inputs[1].is_leaf and user.inputs[1].kind == "weight":
-            layer = tensor_layer(user.inputs[1].name or "")
-            if isinstance(layer, int):
-                return layer
-    return None
+def _is_layer_norm(node: Node) -> bool:
+    """A tensor llama.cpp names "norm" (or "l_last"): a normalization whose result is then scaled
+    by a norm weight (graph_get_cb pins these to their layer's device)."""
+    if (node.name or "").startswith("l_last-"):
+        return True
+    return node.is_op(ops.RmsNorm, ops.Norm) and any(
+        user.is_op(ops.Mul) and user.inputs[1].is_leaf and user.inputs[1].kind == "weight" for user in node.users)
 
 
 def _layer_splits(devices: Sequence[Backend], tensor_split: Sequence[float]) -> list[float]:
@@ -242,9 +223,11 @@ def _layer_splits(devices: Sequence[Backend], tensor_split: Sequence[float]) -> 
 
 
 def place_model(
-    model, graph: Graph, backends: Sequence[Backend], params: PlacementParams | None = None
+    model, built: BuiltGraph, backends: Sequence[Backend], params: PlacementParams | None = None
 ) -> Placement:
-    """Place `model`'s weights (those `graph` uses) and KV cache on `backends` (devices, CPU last)."""
+    """Place `model`'s weights (those the built graph uses) and KV cache on `backends` (devices,
+    CPU last), each by the layer the builder recorded for it."""
+    graph = built.graph
     params = params or PlacementParams()
     if params.split_mode not in SPLIT_MODES:
         raise PlacementError(
@@ -270,7 +253,8 @@ def place_model(
         return gpus[min(k, len(gpus) - 1)].label
 
     placement = Placement(
-        gpus, cpu, params, n_layer, [device_of_layer(il) for il in range(n_layer)], device_of_layer(n_layer)
+        gpus, cpu, params, n_layer, [device_of_layer(il) for il in range(n_layer)], device_of_layer(n_layer),
+        layers=built.layers,
     )
     overrides = [(re.compile(rx), dev) for rx, dev in params.overrides]
     for _, dev in params.overrides:
@@ -286,9 +270,8 @@ def place_model(
         dev = placement.weights[name].device
         placement.weight_bytes[dev] = placement.weight_bytes.get(dev, 0) + size
     for leaf in graph.leafs_of_kind("state"):
-        m = re.fullmatch(r"cache_[kv]_l(\d+)", leaf.name or "")
-        il = int(m.group(1)) if m else 0
-        dev = placement.layer_device[il] if params.offload_kqv and il < n_layer else cpu.label
+        il = built.layers.leaf_layers[leaf.name]
+        dev = placement.layer_device[il] if params.offload_kqv and 0 <= il < n_layer else cpu.label
         placement.state[leaf.name] = dev
         placement.state_bytes[dev] = placement.state_bytes.get(dev, 0) + int(leaf.type.nbytes)
     placement.check_memory()
@@ -320,11 +303,11 @@ def _place_weight(p: Placement, graph: Graph, name: str, overrides) -> WeightPla
                     f"{bad[0].op.name} ({bad[0].name or 'unnamed'}) that uses it"
                 )
             return WeightPlace(dev, f"override {rx.pattern}={dev}")
-    layer = tensor_layer(name)
-    if layer == "input":
+    layer = p.layers.leaf_layers.get(name, p.n_layer)   # a duplicated output weight: the output layer
+    if layer == INPUT_LAYER:
         return WeightPlace(p.cpu.label, "input layer (always on the CPU)")
-    dev = p.output_device if layer == "output" else p.layer_device[layer]
-    where = "output layer" if layer == "output" else f"layer {layer}"
+    dev = p.output_device if layer >= p.n_layer else p.layer_device[layer]
+    where = "output layer" if layer >= p.n_layer else f"layer {layer}"
     backend = p.backend(dev)
     bad = [u for u in users if not backend.supports_op(u)]
     if bad:  # select_weight_buft: the next buffer type in the list, the CPU's

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from html import escape
 
-from llamir.sched.layers import Row, node_layers, row_order, row_title
+from llamir.sched.layers import Row, plan_rows, row_order, row_title
 from llamir.sched.plan import InputCopy, SplitPlan, est_ms, format_bytes
 
 PALETTE = (
@@ -116,9 +116,9 @@ def _lanes(extents: list[tuple[int, int]]) -> list[int]:
     return lanes
 
 
-def plan_to_svg(plan: SplitPlan, title: str = "", layer_of: Mapping[int, Row] | None = None) -> str:
+def plan_to_svg(plan: SplitPlan, title: str = "") -> str:
     """The plan as an SVG document (text): layer rows, split bands, copies with their bytes."""
-    layer_of = node_layers(plan.graph) if layer_of is None else layer_of
+    layer_of = plan_rows(plan)
     rows = _rows(plan, layer_of)
     y = TOP
     for info in rows:

@@ -10,7 +10,7 @@ from html import escape
 
 from llamir.ir import Node
 from llamir.sched.draw import COPY_COLOUR, backend_colour, ink_on
-from llamir.sched.layers import Row, node_layers, row_title
+from llamir.sched.layers import Row, plan_rows, row_title
 from llamir.sched.plan import InputCopy, Ref, SplitPlan, format_bytes
 
 FONT = 'fontname="DejaVu Sans"'
@@ -77,10 +77,9 @@ def plan_to_dot(
     plan: SplitPlan,
     rows: Collection[Row] | None = None,
     title: str = "",
-    layer_of: Mapping[int, Row] | None = None,
 ) -> str:
     """DOT text of the ops in `rows` (block indices, "input", "output"; None: all of them)."""
-    layer_of = node_layers(plan.graph) if layer_of is None else layer_of
+    layer_of = plan_rows(plan)
     chosen = selected_nodes(plan, rows, layer_of)
     dg = _DotGraph(plan, layer_of, chosen)
     split_of = {}

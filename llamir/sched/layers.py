@@ -1,74 +1,27 @@
-"""The layer of every value of a model graph, for the split pictures: a block index, or the
-"input" / "output" rows for what comes before the first block and after the last.
-
-The graph carries no layer table yet, so the layers come from what the frontend writes: a value
-named by llama.cpp's callback convention (name=("attn_norm", 3) gives "attn_norm-3") or reading
-a block weight ("blk.3.attn_q.weight") is in that block; an unnamed value belongs to the
-earliest block that uses it (a layer's first rms_norm is unnamed and feeds "attn_norm-3"); what is
-left goes to the input or output row by its position before or after the first block's values.
-Pass an explicit `layer_of` to the drawing functions where a frontend knows better.
+"""Rows of the split pictures: a block index, or "input" / "output" for what comes before the
+first block and after the last, from the layer map the model builder records
+(llamir.frontend.built.LayerMap: -1 before the first block, n_layer for the output layer).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
-
-from llamir.ir import Graph, Node
 
 INPUT, OUTPUT = "input", "output"
 Row = int | str  # a block index, INPUT or OUTPUT
 
-_CALLBACK_NAME = re.compile(r"^.+-(\d+)$")
-_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
+
+def rows_of(layers: Mapping[int, int], n_layer: int) -> dict[int, Row]:
+    """id(value) -> row, from id(value) -> layer."""
+    return {key: INPUT if layer < 0 else OUTPUT if layer >= n_layer else layer for key, layer in layers.items()}
 
 
-def node_layers(graph: Graph) -> dict[int, Row]:
-    """id(value) -> its row, for every leaf and node of `graph`."""
-    rows: dict[int, Row] = {}
-    for node in graph.nodes:
-        layer = _own_layer(node)
-        if layer is not None:
-            rows[id(node)] = layer
-    for node in reversed(graph.nodes):  # unnamed values join the earliest block using them
-        if id(node) in rows or node.name:
-            continue
-        used_in = [rows[id(u)] for u in node.users if isinstance(rows.get(id(u)), int)]
-        if used_in:
-            rows[id(node)] = min(used_in)
-    blocks = [i for i, n in enumerate(graph.nodes) if isinstance(rows.get(id(n)), int)]
-    first = blocks[0] if blocks else len(graph.nodes)
-    for i, node in enumerate(graph.nodes):
-        rows.setdefault(id(node), INPUT if i < first else OUTPUT)
-    for leaf in graph.leafs:
-        rows[id(leaf)] = _leaf_layer(leaf, rows)
-    return rows
-
-
-def _own_layer(node: Node) -> int | None:
-    m = _CALLBACK_NAME.match(node.name or "")
-    if m:
-        return int(m.group(1))
-    for x in node.inputs:
-        if x.is_leaf and x.kind == "weight":
-            m = _BLOCK_TENSOR.match(x.name or "")
-            if m:
-                return int(m.group(1))
-    return None
-
-
-def _leaf_layer(leaf: Node, rows: Mapping[int, Row]) -> Row:
-    """A block's weights and KV cache are in that block; graph inputs come before everything."""
-    m = _BLOCK_TENSOR.match(leaf.name or "")
-    if m:
-        return int(m.group(1))
-    if leaf.kind == "state":
-        used_in = sorted({r for u in leaf.users if isinstance(r := rows.get(id(u)), int)})
-        if used_in:
-            return used_in[0]
-    if leaf.kind == "weight" and leaf.users and all(rows.get(id(u)) == OUTPUT for u in leaf.users):
-        return OUTPUT
-    return INPUT
+def plan_rows(plan) -> Mapping[int, Row]:
+    """The rows of a plan's values; a plan of a model graph carries them (SplitPlan.rows)."""
+    if plan.rows is None:
+        raise ValueError(f"the plan of {plan.graph.name} has no layer rows: plan a model graph with "
+                         "llamir.cli_splits.plan_model, or set plan.rows from the builder's layer map")
+    return plan.rows
 
 
 def row_order(rows: Iterable[Row]) -> list[Row]:

@@ -111,6 +111,9 @@ class SplitPlan:
     sources: dict[int, tuple[Ref, ...]]  # node id -> its inputs after copies (only rewritten nodes)
     graph_input_copies: dict[int, list[Ref]] = field(default_factory=dict)  # n_copies > 1
     ids: dict[int, int] = field(default_factory=dict)
+    # id(value) -> its row (a block index, "input" or "output"), from the builder's layer map, for
+    # the pictures; set by whoever planned a model graph (llamir.cli_splits.plan_model)
+    rows: dict[int, int | str] | None = None
 
     def __post_init__(self) -> None:
         self.ids = {id(v): i for i, v in enumerate(self.graph.all_values())}

@@ -19,7 +19,7 @@ def tiny(tmp_path_factory):
 
 def _graph(model, flash_attn="off"):
     ctx = llamir.Context(model, n_ctx=256, flash_attn=flash_attn)
-    return model.build_graph(ctx.graph_config(has_tokens=True))
+    return model.build_graph(ctx.graph_config(has_tokens=True)).graph
 
 
 @pytest.mark.parametrize("flash_attn", ["off", "on"])

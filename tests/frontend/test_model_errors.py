@@ -72,7 +72,7 @@ def test_tied_output_reuses_token_embd(tmp_path):
     path = write_model(tmp_path / "tied.gguf", SynthSpec(tied=True))
     model = load_model(path)
     assert not model.has_tensor("output.weight")
-    graph = model.build_graph(llamir.Context(model, n_ctx=256).graph_config(True))
+    graph = model.build_graph(llamir.Context(model, n_ctx=256).graph_config(True)).graph
     logits = graph.outputs["logits"]
     assert logits.inputs[0].name == "token_embd.weight"
 

@@ -7,7 +7,7 @@ names "<backend>#<tensor>#<copy>"), then guard against drift; `pytest --update-g
 from __future__ import annotations
 
 import pytest
-from conftest import N_CTX
+from sched_helpers import N_CTX
 
 from llamir.backends import backend_from_spec
 from llamir.cli_splits import plan_model

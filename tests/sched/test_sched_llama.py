@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import N_CTX, batch_values
+from sched_helpers import N_CTX, batch_values
 
 from llamir.backends import backend_from_spec
 from llamir.cli_splits import graph_config, reserve_batches
@@ -18,8 +18,9 @@ from llamir.sched.scheduler import SchedError, Scheduler
 
 def setup(model, specs=("sim:gpu0",), n_tokens=1, n_out=1, **params):
     devices = [backend_from_spec(s) for s in specs] + [backend_from_spec("cpu")]
-    graph = model.build_graph(graph_config(model, N_CTX, False))
-    placement = place_model(model, graph, devices, PlacementParams(**params))
+    built = model.build_graph(graph_config(model, N_CTX, False))
+    graph = built.graph
+    placement = place_model(model, built, devices, PlacementParams(**params))
     placement.apply(graph)
     bound = bind_dims(graph, {"T": n_tokens, "n_kv": N_CTX, "n_out": n_out})
     return placement, bound
@@ -176,7 +177,7 @@ def test_sim_devices_count_the_bytes_they_copy(tiny_llama):
 
 def test_reserved_buffers_cover_every_real_batch(tiny_llama):
     placement, _ = setup(tiny_llama, n_gpu_layers=2)
-    graph = tiny_llama.build_graph(graph_config(tiny_llama, N_CTX, False))
+    graph = tiny_llama.build_graph(graph_config(tiny_llama, N_CTX, False)).graph
     placement.apply(graph)
     sched = Scheduler(placement.backends, placement.buffers())
     for t in reserve_batches(placement.backends, N_CTX):

@@ -67,7 +67,7 @@ class Gemma3(Architecture):
         if g.config.input_kind == "tokens":  # raw embeddings (e.g. images) are not rescaled
             x = b.scale(x, math.sqrt(hp.n_embd), name="inp_scaled")
         out_ids = g.inp_out_ids()
-        for il in range(hp.n_layer):
+        for il in g.layers():
             p = f"blk.{il}."
             cur = g.norm(x, g.w(p + "attn_norm.weight"), name=("attn_norm", il))
             q, k, v = g.qkv(il, cur)                                                   # [T, H(kv), d]

@@ -41,7 +41,7 @@ class Llama(Architecture):
         hp, b = g.hp, g.b
         x = g.inp_embd()                                                               # [T, E]
         out_ids = g.inp_out_ids()                                                      # [n_out]
-        for il in range(hp.n_layer):
+        for il in g.layers():
             p = f"blk.{il}."
             residual = x
             cur = g.norm(x, g.w(p + "attn_norm.weight"), name=("attn_norm", il))      # [T, E]
