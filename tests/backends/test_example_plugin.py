@@ -25,13 +25,14 @@ TOKENS = list(range(5, 45))
 
 @pytest.fixture(scope="module")
 def example():
-    """pip install the plugin as a user would, then find it through its entry point."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", str(PLUGIN)], check=True,
-                   capture_output=True)
-    reload_plugins()
+    """pip install the plugin as a user would, then find it through its entry point. (Not as an
+    editable install: that only takes effect in interpreters started after it.)"""
     import importlib
 
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(PLUGIN)],
+                   check=True, capture_output=True)
     importlib.invalidate_caches()
+    reload_plugins()
     return get_backend("example")
 
 
@@ -55,6 +56,8 @@ def test_found_through_the_entry_point_and_listed(example, capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out
     assert "example: worked example plugin" in out and "example:0  example0" in out and "usable" in out
+    fresh = subprocess.run([sys.executable, "-m", "llamir.cli", "backends"], capture_output=True, text=True, check=True)
+    assert "example:0  example0" in fresh.stdout   # a new process finds it too
 
 
 def test_run_gives_the_cpu_tokens(example, model_path, capsys):
