@@ -32,7 +32,7 @@ def graph_config(model, n_ctx: int, flash_attn: bool):
     from llamir.frontend.graph_context import GraphConfig, KVLayout, RopeParams
 
     kv = KVLayout(kv_size=n_ctx, v_trans=not flash_attn, layers=tuple(range(model.hparams.n_layer)))
-    return GraphConfig(kv=kv, rope=RopeParams.resolve(model.hparams), flash_attn=flash_attn)
+    return GraphConfig(memory=(kv,), rope=RopeParams.resolve(model.hparams), flash_attn=flash_attn)
 
 
 def plan_model(

@@ -16,8 +16,8 @@ from llamir.backends.registry import backend_from_spec
 from llamir.context import state
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
 from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
-from llamir.context.kv_cache import KVCache, MemoryStatus
-from llamir.context.kv_cache_iswa import KVCacheISWA
+from llamir.context.kv_cache import MemoryStatus
+from llamir.context.memory import Memory, create_memory
 from llamir.context.memory_update import MemoryUpdater
 from llamir.context.outputs import OutputError, Outputs
 from llamir.context.params import ContextParams, ContextParamsError, CParams, resolve
@@ -109,14 +109,10 @@ class Context:
             self.reserve()
 
     # -- construction -----------------------------------------------------------------------------
-    def _create_memory(self):
-        """llama_model::create_memory: no memory for non-causal encoders, iSWA for window models."""
-        hp, cp = self.model.hparams, self.cparams
-        common = dict(n_seq_max=cp.n_seq_max, unified=cp.kv_unified, type_k=cp.type_k, type_v=cp.type_v,
-                      v_trans=not cp.flash_attn, attn_rot=cp.attn_rot)
-        if hp.n_swa and any(hp.swa_layers):
-            return KVCacheISWA(hp, cp.n_ctx_seq, swa_full=cp.swa_full, n_ubatch=cp.n_ubatch, **common)
-        return KVCache(hp, cp.n_ctx_seq, **common)
+    def _create_memory(self) -> Memory | None:
+        """The memory the architecture chooses (llama_model::create_memory), made for this context."""
+        kind = self.model.arch.create_memory(self.model.hparams)
+        return create_memory(kind, self.model.hparams, self.cparams)
 
     def _flash_attn_works(self) -> bool:
         """flash_attn=auto: on the CPU alone, whether the backend runs the __fattn__ nodes; with
@@ -129,7 +125,7 @@ class Context:
         probe = KVLayout(kv_size=cp.n_ctx_seq, type_k=cp.type_k, type_v=cp.type_v, v_trans=False,
                          n_stream=1 if cp.kv_unified else cp.n_seq_max,
                          layers=tuple(range(self.model.hparams.n_layer)))
-        config = GraphConfig(kv=probe, rope=cp.rope, flash_attn=True, causal_attn=cp.causal_attn)
+        config = GraphConfig(memory=(probe,), rope=cp.rope, flash_attn=True, causal_attn=cp.causal_attn)
         if self.runner.single:
             graph = self.model.build_graph(config).graph
             return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
@@ -140,11 +136,10 @@ class Context:
 
     def graph_config(self, has_tokens: bool, encoder: bool = False) -> GraphConfig:
         cp = self.cparams
-        return GraphConfig(kv=None if encoder else self.memory.layout,
-                           kv_swa=None if encoder else getattr(self.memory, "layout_swa", None),
-                           rope=cp.rope, flash_attn=cp.flash_attn, causal_attn=cp.causal_attn and not encoder,
-                           input_kind="tokens" if has_tokens else "embd", embeddings=cp.embeddings,
-                           pooling=cp.pooling_type if cp.embeddings else "none")
+        memory = () if encoder or self.memory is None else self.memory.layouts
+        return GraphConfig(memory=memory, rope=cp.rope, flash_attn=cp.flash_attn,
+                           causal_attn=cp.causal_attn and not encoder, input_kind="tokens" if has_tokens else "embd",
+                           embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none")
 
     def compiled_graph(self, config: GraphConfig):
         """The symbolic graph for `config`, placed and (CPU only) compiled, built once and kept."""
@@ -154,10 +149,9 @@ class Context:
         """Bindings of the reserve graphs: n_tokens over n_seqs sequences, the whole cache."""
         names = cg.graph.dim_names
         b = {"n_out": n_tokens, "T": n_tokens, "n_seqs": n_seqs}
-        for layout in (self.memory.layout if hasattr(self, "memory") else None,
-                       getattr(getattr(self, "memory", None), "layout_swa", None)):
-            if layout is not None:
-                b[layout.n_kv_dim] = layout.kv_size
+        memory = getattr(self, "memory", None)   # the flash_attn probe runs before the memory exists
+        for layout in memory.layouts if memory is not None else ():
+            b[layout.n_kv_dim] = layout.kv_size
         b.setdefault("n_kv", self.cparams.n_ctx_seq)
         if "ns" in names:
             ns = min(n_seqs, self.cparams.n_seq_max)

@@ -11,13 +11,13 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
 
 import numpy as np
 
 from llamir.backends.base import BufferType, TensorData, alloc_tensors
 from llamir.context.batch import I32_MAX, I32_MIN, LLAMA_MAX_SEQ, POS_LIMIT, BatchAllocator, UBatch, is_integer
 from llamir.context.kv_cells import CellsSnapshot, KVCells
+from llamir.context.memory import Memory
 from llamir.frontend.graph_kv import KVLayout, cache_k_name, cache_v_name
 from llamir.frontend.hparams import HParams
 from llamir.ir import F16, DType
@@ -51,25 +51,6 @@ def is_masked_swa(n_swa: int, swa_type: str, p0, p1):
     return np.zeros(np.broadcast(p0, p1).shape, dtype=bool) if np.ndim(p0) or np.ndim(p1) else False
 
 
-class Memory(Protocol):
-    """llama_memory_i: what a context needs from its memory. KVCache and KVCacheISWA implement it."""
-
-    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool): ...
-    def init_full(self): ...
-    def init_update(self, ctx) -> UpdateContext: ...
-    def get_can_shift(self) -> bool: ...
-    def clear(self, data: bool = True) -> None: ...
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
-    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None: ...
-    def seq_keep(self, seq_id: int) -> None: ...
-    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None: ...
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
-    def seq_pos_min(self, seq_id: int) -> int: ...
-    def seq_pos_max(self, seq_id: int) -> int: ...
-    def state_write(self, writer, seq_id: int = -1, flags: int = 0) -> None: ...
-    def state_read(self, reader, seq_id: int = -1, flags: int = 0) -> None: ...
-
-
 @dataclass
 class UpdateContext:
     """init_update's result: NO_UPDATE when nothing is pending; apply() runs the K-shift and the
@@ -81,28 +62,6 @@ class UpdateContext:
 
     def apply(self) -> bool:
         return self.ctx._updater.update(self.memory) if self.status == MemoryStatus.SUCCESS else False
-
-
-def _init_update(memory, ctx) -> UpdateContext:
-    pending = memory.has_pending_update()
-    return UpdateContext(memory, ctx, MemoryStatus.SUCCESS if pending else MemoryStatus.NO_UPDATE)
-
-
-def _state_write(memory, writer, seq_id: int = -1, flags: int = 0) -> None:
-    """llama_memory_i::state_write: every cell (seq_id -1) or one sequence's (llamir.context.state_kv)."""
-    from llamir.context import state_kv
-
-    state_kv.check_memory_seq_id(memory, seq_id)
-    state_kv.write_memory(writer, memory, seq_id, flags)
-
-
-def _state_read(memory, reader, seq_id: int = -1, flags: int = 0) -> None:
-    """Parse and check every cache's part first, then apply: a bad blob raises StateError, nothing changed."""
-    from llamir.context import state_kv
-
-    state_kv.check_memory_seq_id(memory, seq_id)
-    source = None if seq_id == -1 else state_kv.SeqSource()
-    state_kv.apply_memory(state_kv.read_memory(reader, memory, source, flags), seq_id)
 
 
 def padded_n_kv(size: int, used_max_p1: int) -> int:
@@ -171,8 +130,9 @@ def attn_rot_sizes(hp: HParams, layers: tuple[int, ...], type_k: DType, type_v: 
     return rot_k, rot_v
 
 
-class KVCache:
-    """K and V buffers for every attention layer, plus the cell metadata of each stream."""
+class KVCache(Memory):
+    """K and V tensors for every attention layer, plus the cell metadata of each stream; the
+    unified KV cache is a memory of one cache (itself)."""
 
     def __init__(self, hp: HParams, kv_size: int, n_seq_max: int, unified: bool = True,
                  type_k: DType = F16, type_v: DType = F16, v_trans: bool = True,
@@ -194,11 +154,11 @@ class KVCache:
         self.v_cells = [KVCells(kv_size, n_seq_cols) for _ in range(self.n_stream)]
         self.v_heads = [0] * self.n_stream
         self.seq_to_stream = [0] * LLAMA_MAX_SEQ if unified else list(range(n_seq_max))
-        self.buffers: dict[str, np.ndarray | TensorData] = {}  # host arrays, or tensors on a device
+        self.tensors: dict[str, np.ndarray | TensorData] = {}  # host arrays, or tensors on a device
         for il in self.layout.layers:
             for name, shape, dtype in ((cache_k_name(il), self.layout.k_shape(hp, il), type_k),
                                        (cache_v_name(il), self.layout.v_shape(hp, il), type_v)):
-                self.buffers[name] = np.zeros(storage_shape(shape, dtype), dtype=storage_dtype(dtype))
+                self.tensors[name] = np.zeros(storage_shape(shape, dtype), dtype=storage_dtype(dtype))
         self._v_names = {cache_v_name(il) for il in self.layout.layers}
         self.pending_copies: list[tuple[int, int]] = []
         self._v_rows: dict[int, np.ndarray] = {}
@@ -210,7 +170,7 @@ class KVCache:
         decode reads and writes them on the device, and only state save/load, undo and K-shift
         copy them through the host."""
         by_buft: dict[int, tuple[BufferType, dict[str, np.ndarray]]] = {}
-        for name, buf in self.buffers.items():
+        for name, buf in self.tensors.items():
             tb = buffers.get(name)
             if tb is None or tb.buft.is_host or not isinstance(buf, np.ndarray):
                 continue
@@ -219,19 +179,23 @@ class KVCache:
             tensors = alloc_tensors(buft, {name: (a.shape, a.dtype) for name, a in arrays.items()})
             for name, td in tensors.items():
                 td.write(arrays[name])
-                self.buffers[name] = td
+                self.tensors[name] = td
             log.info("KV cache: %d tensors (%d bytes) in %s memory", len(tensors),
                      sum(td.nbytes for td in tensors.values()), buft.name)
+
+    @property
+    def caches(self) -> tuple[KVCache]:
+        return (self,)
 
     def host(self, name: str) -> np.ndarray:
         """A tensor as a host array: in place for host memory, else a copy (write it back with
         put_back)."""
-        buf = self.buffers[name]
+        buf = self.tensors[name]
         return buf if isinstance(buf, np.ndarray) else buf.read()
 
     def put_back(self, name: str, array: np.ndarray) -> None:
         """After changing host(name)'s array: a device tensor gets the new contents."""
-        buf = self.buffers[name]
+        buf = self.tensors[name]
         if not isinstance(buf, np.ndarray):
             buf.write(array)
 
@@ -240,7 +204,7 @@ class KVCache:
         return self.kv_size
 
     def total_bytes(self) -> int:
-        return sum(a.nbytes for a in self.buffers.values())
+        return sum(a.nbytes for a in self.tensors.values())
 
     def get_n_kv(self, sinfo: SlotInfo) -> int:
         """Cells attended: the largest of the slot's streams' (padded_n_kv)."""
@@ -366,7 +330,7 @@ class KVCache:
             if undo.pos.max(initial=-1) >= 0:
                 undo.whole = cells.snapshot()
                 undo.rows = {name: np.take(self.host(name)[stream], idxs, axis=self._cell_axis(name)).copy()
-                             for name in self.buffers}
+                             for name in self.tensors}
             streams.append(undo)
         return CellsUndo(list(self.v_heads), streams)
 
@@ -440,10 +404,6 @@ class KVCache:
     def get_can_shift(self) -> bool:
         return True
 
-    init_update = _init_update
-    state_write = _state_write
-    state_read = _state_read
-
     def has_pending_update(self) -> bool:
         return bool(self.pending_copies) or any(c.has_shift for c in self.v_cells)
 
@@ -452,7 +412,7 @@ class KVCache:
             cells.reset()
         self.v_heads = [0] * self.n_stream
         if data:
-            for buf in self.buffers.values():
+            for buf in self.tensors.values():
                 if isinstance(buf, np.ndarray):
                     buf[...] = 0
                 else:

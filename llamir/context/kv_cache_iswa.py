@@ -6,20 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llamir.context.batch import BatchAllocator, UBatch
-from llamir.context.kv_cache import (
-    KVCache,
-    KVCacheContext,
-    MemoryStatus,
-    _init_update,
-    _state_read,
-    _state_write,
-)
+from llamir.context.kv_cache import KVCache, KVCacheContext, MemoryStatus
+from llamir.context.memory import Memory
 from llamir.context.params import pad
 from llamir.frontend.hparams import HParams
 from llamir.ir import DType
 
 
-class KVCacheISWA:
+class KVCacheISWA(Memory):
     """Base cache (non-SWA layers) + SWA cache (window layers, a "_swa" input suffix)."""
 
     def __init__(self, hp: HParams, kv_size: int, n_seq_max: int, unified: bool, type_k: DType, type_v: DType,
@@ -33,23 +27,10 @@ class KVCacheISWA:
         self.base = KVCache(hp, kv_size, layers=base_layers, **common)
         self.swa = KVCache(hp, size_swa, n_swa=hp.n_swa, swa_type=hp.swa_type, layers=swa_layers, suffix="_swa",
                            **common)
-        self.caches = (self.base, self.swa)
 
     @property
-    def layout(self):
-        return self.base.layout
-
-    @property
-    def layout_swa(self):
-        return self.swa.layout
-
-    @property
-    def buffers(self):
-        return {**self.base.buffers, **self.swa.buffers}
-
-    def place(self, buffers) -> None:
-        self.base.place(buffers)
-        self.swa.place(buffers)
+    def caches(self) -> tuple[KVCache, KVCache]:
+        return (self.base, self.swa)
 
     @property
     def n_stream(self) -> int:
@@ -83,12 +64,6 @@ class KVCacheISWA:
     def get_can_shift(self) -> bool:
         return self.base.kv_size == self.swa.kv_size
 
-    init_update = _init_update
-    state_write = _state_write
-    state_read = _state_read
-
-    def has_pending_update(self) -> bool:
-        return self.base.has_pending_update() or self.swa.has_pending_update()
 
     # -- sequences --------------------------------------------------------------------------------
     def clear(self, data: bool = True) -> None:

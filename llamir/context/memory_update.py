@@ -21,7 +21,7 @@ class MemoryUpdater:
         self._shift: dict[int, tuple] = {}
 
     def caches(self, memory) -> tuple[KVCache, ...]:
-        return getattr(memory, "caches", (memory,))
+        return memory.caches
 
     def update(self, memory) -> bool:
         """Apply every pending update; True when something changed."""

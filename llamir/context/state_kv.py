@@ -35,7 +35,7 @@ STATE_SEQ_FLAGS_PARTIAL_ONLY = 1
 
 def caches_of(memory, flags: int = 0) -> tuple[KVCache, ...]:
     """The caches a state holds, in order: base then SWA (only the SWA one with PARTIAL_ONLY)."""
-    caches = getattr(memory, "caches", (memory,))
+    caches = memory.caches
     if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY and len(caches) > 1:
         return caches[1:]
     return caches

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llamir.frontend.arch.base import ArchError
 from llamir.frontend.built import INPUT_LAYER, BuiltGraph, InputSpec, LayerMap
 from llamir.frontend.graph_kv import KVGraph, KVLayout, NoCacheGraph, TokenDims
 from llamir.frontend.hparams import HParams
+from llamir.frontend.weights import UndeclaredTensorError, Weights
 from llamir.ir import F16, F32, I32, GraphBuilder, Node, dims, ops, sym
 from llamir.ir.builder import Name
 
@@ -70,22 +72,25 @@ class RopeParams:
 class GraphConfig:
     """Everything besides the model that shapes the graph (a subset of llm_graph_params)."""
 
-    kv: KVLayout | None
+    memory: tuple[KVLayout, ...]   # the caches the graph reads and writes; () attends over the ubatch
     rope: RopeParams
     flash_attn: bool = False
     causal_attn: bool = True
     input_kind: str = "tokens"   # "tokens" or "embd"
     embeddings: bool = False     # also output the final hidden state (t_embd)
     pooling: str = "none"        # none | mean | cls | last | rank (applied when embeddings)
-    kv_swa: KVLayout | None = None   # the sliding-window cache of an iSWA model
+
+    def layout(self, suffix: str = "") -> KVLayout | None:
+        """The cache with this input suffix ("" the main one, "_swa" an iSWA model's window)."""
+        return next((lay for lay in self.memory if lay.suffix == suffix), None)
 
     @property
     def n_stream(self) -> int:
-        return self.kv.n_stream if self.kv is not None else 1
+        return self.memory[0].n_stream if self.memory else 1
 
     def dim_names(self) -> tuple[str, ...]:
         names = DIM_NAMES if self.n_stream == 1 else STREAM_DIM_NAMES
-        return names + (("n_kv_swa",) if self.kv_swa is not None else ())
+        return names + tuple(lay.n_kv_dim for lay in self.memory if lay.n_kv_dim not in names)
 
 
 @dataclass
@@ -118,14 +123,14 @@ class GraphContext:
         self._inputs: list[InputSpec] = []
         self.layer = INPUT_LAYER
         self._marks: list[tuple[int, int, int]] = []   # (layer, first node, first leaf) as blocks begin
-        if config.kv is None:
+        if not config.memory:
             self.kv = NoCacheGraph(self.b, tokens, config.flash_attn)
             self.kv_swa = NoCacheGraph(self.b, tokens, config.flash_attn, "_swa") if self.hp.n_swa else None
         else:
-            iswa = config.kv_swa is not None
-            self.kv = KVGraph(self.b, self.hp, config.kv, tokens, self.n_kv, config.flash_attn, iswa)
-            self.kv_swa = (KVGraph(self.b, self.hp, config.kv_swa, tokens, sym("n_kv_swa"), config.flash_attn,
-                                   iswa) if iswa else None)
+            iswa = len(config.memory) > 1
+            caches = {lay.suffix: KVGraph(self.b, self.hp, lay, tokens, sym(lay.n_kv_dim), config.flash_attn, iswa)
+                      for lay in config.memory}
+            self.kv, self.kv_swa = caches.get(""), caches.get("_swa")
 
     # -- layers -------------------------------------------------------------------------------
     def layers(self):
@@ -161,8 +166,7 @@ class GraphContext:
             spec = attention.input_spec() if attention is not None else None
             if spec is not None:
                 inputs.append(spec)
-        memory = tuple(lay for lay in (self.config.kv, self.config.kv_swa) if lay is not None)
-        return BuiltGraph(graph, tuple(inputs), memory, LayerMap(nodes, leafs, self.hp.n_layer))
+        return BuiltGraph(graph, tuple(inputs), self.config.memory, LayerMap(nodes, leafs, self.hp.n_layer))
 
     def _declare(self, spec: InputSpec) -> None:
         self._inputs.append(spec)
@@ -183,7 +187,34 @@ class GraphContext:
 
     def output_weight(self) -> Node:
         """output.weight, or token_embd.weight when the output is tied (llama.cpp duplicates it)."""
-        return self.w("output.weight") if self.has("output.weight") else self.w("token_embd.weight")
+        output = self.weights.output
+        return output if output is not None else self.weights.token_embd
+
+    @property
+    def weights(self) -> Weights:
+        """The model's own weights by their specs: `g.weights.token_embd`, `.output_norm`, `.output`."""
+        return Weights(self)
+
+    def layer_weights(self, il: int) -> Weights:
+        """Block il's weights by their specs: `L.attn_q`, `L.attn_q_bias` (None when optional and absent)."""
+        return Weights(self, f"blk.{il}.")
+
+    def declared_weight(self, name: str) -> Node | None:
+        """The weight of a tensor the architecture's specs declare: required -> its leaf (an ArchError
+        when the model lacks it), optional -> its leaf or None; undeclared -> UndeclaredTensorError."""
+        spec = self.model.tensor_specs.get(name)
+        if spec is None:
+            parts = name.split(".")
+            block = f"blk.{parts[1]}." if parts[0] == "blk" and len(parts) > 2 else ""
+            declared = ", ".join(Weights(self, block).names())
+            raise UndeclaredTensorError(f"{self.hp.arch}: the builder reads tensor {name!r}, which the "
+                                        f"architecture's tensor_specs does not declare (declared under "
+                                        f"{block or 'the model'}: {declared})")
+        if self.has(name):
+            return self.w(name)
+        if spec.required:
+            raise ArchError(f"{self.model.path}: {self.hp.arch} needs tensor {name!r}, which the model lacks")
+        return None
 
     # -- inputs -------------------------------------------------------------------------------
     def inp_embd(self) -> Node:
@@ -231,10 +262,10 @@ class GraphContext:
 
     def qkv(self, il: int, x: Node) -> tuple[Node, Node, Node]:
         """build_qkv: separate q/k/v projections (+ optional biases), as [T, heads, head_dim]."""
-        hp, p = self.hp, f"blk.{il}."
-        q = self.linear(self.w(p + "attn_q.weight"), x, self.w_opt(p + "attn_q.bias"))
-        k = self.linear(self.w(p + "attn_k.weight"), x, self.w_opt(p + "attn_k.bias"))
-        v = self.linear(self.w(p + "attn_v.weight"), x, self.w_opt(p + "attn_v.bias"))
+        hp, L = self.hp, self.layer_weights(il)
+        q = self.linear(L.attn_q, x, L.attn_q_bias)
+        k = self.linear(L.attn_k, x, L.attn_k_bias)
+        v = self.linear(L.attn_v, x, L.attn_v_bias)
         q = self.b.reshape(q, self.T, hp.n_head(il), hp.n_embd_head_k, name=("Qcur", il))        # [T, H, d]
         k = self.b.reshape(k, self.T, hp.n_head_kv(il), hp.n_embd_head_k, name=("Kcur", il))     # [T, Hkv, d]
         v = self.b.reshape(v, self.T, hp.n_head_kv(il), hp.n_embd_head_v, name=("Vcur", il))     # [T, Hkv, dv]
@@ -269,6 +300,76 @@ class GraphContext:
         else:
             cur = self.b.unary(act, tmp, name=("ffn_" + act, il))
         return self.linear(down, cur, down_b, name=("ffn_out", il))
+
+    def qkv_fused(self, il: int, x: Node, wqkv: Node, bqkv: Node | None = None) -> tuple[Node, Node, Node]:
+        """build_qkv with one fused attn_qkv projection: [T, n_embd + 2 n_embd_gqa] (+ bias), cut
+        into q, k and v (each made contiguous, then [T, heads, head_dim])."""
+        hp, b, T = self.hp, self.b, self.T
+        qkv = self.linear(wqkv, x, bqkv, name=("wqkv", il))
+        n_q, n_k, n_v = hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
+        row = 4 * (n_q + n_k + n_v)                                                            # f32 bytes
+
+        def part(width: int, offset: int, heads: int, d: int, name: str) -> Node:
+            cut = b.cont(b.view(qkv, [T, width], [row, 4], 4 * offset))
+            return b.reshape(cut, T, heads, d, name=(name, il))
+
+        return (part(n_q, 0, hp.n_head(il), hp.n_embd_head_k, "Qcur"),
+                part(n_k, n_q, hp.n_head_kv(il), hp.n_embd_head_k, "Kcur"),
+                part(n_v, n_q + n_k, hp.n_head_kv(il), hp.n_embd_head_v, "Vcur"))
+
+    def inp_pos_embd(self, x: Node, position_embd: Node) -> Node:
+        """Learned absolute positions (gpt2, starcoder): x + position_embd[inp_pos]."""
+        return self.b.add(x, self.b.get_rows(position_embd, self.inp_pos(), name="pos_embd"), name="inp_pos_embd")
+
+    def moe_ffn(self, x: Node, gate_inp: Node, up_exps: Node, gate_exps: Node | None, down_exps: Node,
+                n_expert_used: int, act: str = "silu", gating: str = "softmax", norm_w: bool = False,
+                w_scale: float | None = None, gate_inp_b: Node | None = None, il: int = -1) -> Node:
+        """build_moe_ffn: route each token [T, E] to its top n_expert_used experts and sum their
+        weighted ffn outputs. `gating`: softmax (weights from the softmax over every expert),
+        sigmoid, or softmax_weight (softmax over the selected logits only); `norm_w` divides the
+        selected weights by their sum (at least the smallest f16 normal); `w_scale` scales them."""
+        b, T = self.b, x.shape[0]
+        n_expert, n_embd, k = gate_inp.shape[0], x.shape[-1], n_expert_used
+        logits = self.linear(gate_inp, x, gate_inp_b, name=("ffn_moe_logits", il))          # [T, n_expert]
+        if gating == "softmax":
+            probs = b.soft_max_ext(logits, None, 1.0, name=("ffn_moe_probs", il))
+        elif gating == "sigmoid":
+            probs = b.unary("sigmoid", logits, name=("ffn_moe_probs", il))
+        elif gating == "softmax_weight":
+            probs = logits
+        else:
+            raise ValueError(f"moe gating {gating!r} (softmax, sigmoid, softmax_weight)")
+        selected = b.top_k(probs, k, name=("ffn_moe_topk", il))                              # [T, k] i32
+        weights = b.get_rows(b.reshape(probs, T, n_expert, 1), selected,
+                             name=("ffn_moe_weights", il))                                  # [T, k, 1]
+        if gating == "softmax_weight":
+            weights = b.reshape(b.soft_max_ext(b.reshape(weights, T, k), None, 1.0), T, k, 1)
+        if norm_w:
+            total = b.sum_rows(b.reshape(weights, T, k))                                     # [T, 1]
+            total = b.clamp(total, 6.103515625e-5, float("inf"))
+            weights = b.reshape(b.div(b.reshape(weights, T, k), total, name=("ffn_moe_weights_norm", il)),
+                                T, k, 1)
+        if w_scale is not None:
+            weights = b.scale(weights, w_scale, name=("ffn_moe_weights_scaled", il))
+        cur = b.reshape(x, T, 1, n_embd)                                                     # [T, 1, n_embd]
+        up = b.mul_mat_id(up_exps, cur, selected, name=("ffn_moe_up", il))                   # [T, k, n_ff]
+        if gate_exps is not None:
+            gate = b.mul_mat_id(gate_exps, cur, selected, name=("ffn_moe_gate", il))
+            glu = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}[act]
+            cur = b.glu(glu, gate, up, name=("ffn_moe_" + glu, il))
+        else:
+            cur = b.unary(act, up, name=("ffn_moe_" + act, il))
+        experts = b.mul_mat_id(down_exps, cur, selected, name=("ffn_moe_down", il))          # [T, k, n_embd]
+        experts = b.mul(experts, weights, name=("ffn_moe_weighted", il))
+        row = 4 * n_embd                                                                      # f32 bytes
+        out = b.view(experts, [T, n_embd], [k * row, 4], 0)
+        for i in range(1, k):   # the k slices summed by a chain of adds, as llama.cpp does
+            out = b.add(out, b.view(experts, [T, n_embd], [k * row, 4], i * row))
+        return b.cont(out) if k == 1 else out                                               # [T, n_embd]
+
+    def softcap(self, x: Node, cap: float, name: Name = None) -> Node:
+        """cap * tanh(x / cap): gemma2's attention-logit and final-logit softcapping."""
+        return self.b.scale(self.b.unary("tanh", self.b.scale(x, 1.0 / cap)), cap, name=name)
 
     def finish(self, hidden: Node, logits: Node | None) -> GraphOutputs:
         """Register the outputs: t_embd ("result_norm"), the pooled embeddings and t_logits

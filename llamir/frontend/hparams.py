@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -17,9 +17,19 @@ SWA_TYPES = ("none", "standard", "chunked", "symmetric")
 LLAMA_MAX_EXPERTS = 1024
 
 
+@dataclass(frozen=True)
+class ArchHParams:
+    """The hyper-parameters only one architecture has (hp.extra): the architecture defines a frozen
+    subclass, sets it in its load_hparams and writes its keys for synth (synth_metadata)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 @dataclass
 class HParams:
-    """llama_hparams, with per-layer arrays as tuples of length n_layer."""
+    """llama_hparams, with per-layer arrays as tuples of length n_layer: what every architecture
+    has, the sliding-window layout the KV cache reads included; the rest is in `extra`."""
 
     arch: str
     n_vocab: int
@@ -54,11 +64,8 @@ class HParams:
     swa_type: str = "none"
     swa_layers: tuple[bool, ...] = ()
     f_attn_logit_softcapping: float = 0.0
-    f_final_logit_softcapping: float = 0.0
     f_max_alibi_bias: float = 0.0
-    rope_freq_base_train_swa: float = 10000.0
-    rope_freq_scale_train_swa: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: ArchHParams = field(default_factory=ArchHParams)
 
     def set_swa_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
         """llama_hparams::set_swa_pattern: with dense_first layer 0 is global, else the last of each group."""
@@ -91,7 +98,27 @@ class HParams:
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out.pop("extra")
-        return out
+        return out | self.extra.to_dict()
+
+    def load_sliding_window(self, meta, n_pattern: int, swa_type: str = "standard") -> bool:
+        """{arch}.attention.sliding_window and, when it is set, the layers that use it
+        ({arch}.attention.sliding_window_pattern, a period or per-layer flags); False when unset."""
+        key = f"{self.arch}.attention.sliding_window"
+        n_swa = meta.get_u32(key)
+        if n_swa:
+            self.n_swa, self.swa_type = n_swa, swa_type
+            self.load_swa_pattern(meta, key + "_pattern", n_pattern)
+        return bool(n_swa)
+
+    def load_swa_pattern(self, meta, key: str, n_pattern: int, dense_first: bool = False) -> None:
+        """load_swa_pattern: a per-layer array under `key` (layers past its end are dense), or a u32
+        period (n_pattern when absent)."""
+        layers = meta.get_u32_arr(key)
+        if layers is not None:
+            self.swa_layers = (tuple(bool(x) for x in layers[:self.n_layer])
+                               + (False,) * (self.n_layer - len(layers)))
+        else:
+            self.set_swa_pattern(meta.get_u32(key, n_pattern), dense_first)
 
 
 def load_hparams(f: GGUFFile, arch: str) -> HParams:

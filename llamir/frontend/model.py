@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from llamir.frontend.arch import ARCHS, ArchError, Architecture
+from llamir.frontend.arch import ARCHS, ArchError, Architecture, TensorSpec
 from llamir.frontend.gguf_file import GGUFError, GGUFFile, GGUFTensor
 from llamir.frontend.graph_context import BuiltGraph, GraphConfig, GraphContext
 from llamir.frontend.hparams import HParams, load_hparams
@@ -49,6 +50,13 @@ class Model:
     @property
     def n_bytes(self) -> int:
         return sum(t.n_bytes for t in self.tensors.values())
+
+    @cached_property
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """The architecture's tensors by GGUF name, in spec order (the one list of them)."""
+        if self.arch is None:
+            raise ModelError(f"{self.path}: the model was loaded vocab-only; it has no architecture's tensors")
+        return {spec.name: spec for spec in self.arch.tensor_specs(self.hparams)}
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors
@@ -155,9 +163,9 @@ def _load_vocab(f: GGUFFile):
 def _check_tensors(model: Model) -> None:
     """Every tensor the architecture needs exists with the shape llama.cpp would create, and the file
     holds no other (llama.cpp counts them: done_getting_tensors)."""
-    specs = model.arch.tensor_specs(model.hparams)
-    _check_no_extra_tensors(model, {spec.name for spec in specs})
-    for spec in specs:
+    specs = model.tensor_specs
+    _check_no_extra_tensors(model, set(specs))
+    for spec in specs.values():
         t = model.tensors.get(spec.name)
         if t is None:
             if spec.required:

@@ -1,8 +1,9 @@
 """Random-weight GGUF models that llama.cpp loads and runs: small, deterministic test subjects.
 
-`write_model(path, SynthSpec(...))` writes a llama / qwen2 / qwen3 model with every hparam key
-llama.cpp needs, a real byte-level BPE tokenizer (trained on a small embedded English text) and a
-ChatML template. The same spec always gives a byte-identical file.
+`write_model(path, SynthSpec(...))` writes a model of any registered architecture (llama, qwen2,
+qwen3, gemma3), its tensors from the architecture's tensor_specs, with every hparam key llama.cpp
+needs, a real byte-level BPE tokenizer (trained on a small embedded English text) and a ChatML
+template. The same spec always gives a byte-identical file.
 
 Weights are scaled so the model behaves numerically like a trained one: the residual stream stays
 O(1), attention scores have a std of about 2 (so softmax is neither uniform nor one-hot), and the
@@ -21,11 +22,19 @@ import gguf
 import numpy as np
 import regex
 
+from llamir.frontend.arch import ARCHS as arch_registry
+from llamir.frontend.arch.base import QK_GAIN  # noqa: F401  (the score gain, re-exported)
 from llamir.frontend.gguf_rewrite import FILE_TYPES
+from llamir.frontend.hparams import HParams
 from llamir.ir import quants
 from llamir.ir.dtypes import dtype_named
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# the architectures synth writes: every registered one, from its tensor_specs
+ARCHS = arch_registry
+# SynthSpec fields (with their defaults) that only the architectures naming them in synth_options take
+# (swa_pattern is read only with a sliding_window, so it is not refused on its own)
+ARCH_OPTIONS = {"sliding_window": None, "n_expert": 0, "n_expert_used": 0, "n_ff_exp": None, "n_ff_shexp": None,
+                "partial_rotary": None, "norm_eps": None}
 # general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
 # of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
 MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -46,9 +55,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-# Attention logits scale with these gains squared; ~1.5 each gives scores with std ~2.
-QK_GAIN = 1.5
 
 # The BPE merges are learnt from this text. Changing it changes every synthetic vocabulary.
 _CORPUS = """\
@@ -102,6 +108,13 @@ class SynthSpec:
     rope_scaling_factor: float = 4.0
     sliding_window: int | None = None  # gemma3: the window of its SWA layers (every layer but each 6th)
     swa_pattern: int = 6               # gemma3: one global layer every swa_pattern layers
+    # the options of the architectures that name them in synth_options (refused elsewhere):
+    n_expert: int = 0                  # MoE: experts per layer
+    n_expert_used: int = 0             # MoE: experts each token uses
+    n_ff_exp: int | None = None        # MoE: an expert's ffn width (None: n_ff)
+    n_ff_shexp: int | None = None      # MoE with a shared expert: its ffn width (None: n_ff)
+    partial_rotary: float | None = None  # the rotated share of each head (stablelm, phi2); None: all
+    norm_eps: float | None = None      # LayerNorm epsilon ({arch}.attention.layer_norm_epsilon)
 
     @property
     def n_embd_head(self) -> int:
@@ -134,10 +147,13 @@ def write_model(path: str | Path, spec: SynthSpec) -> Path:
 
 
 def _check_spec(spec: SynthSpec) -> None:
-    if spec.sliding_window is not None and spec.arch != "gemma3":
-        raise ValueError(f"sliding_window is a gemma3 setting, not {spec.arch}'s")
     if spec.arch not in ARCHS:
-        raise ValueError(f"arch {spec.arch!r} is not one of {ARCHS}")
+        raise ValueError(f"arch {spec.arch!r} is not one of {tuple(ARCHS)}")
+    arch = ARCHS[spec.arch]()
+    for option, default in ARCH_OPTIONS.items():
+        if getattr(spec, option) != default and option not in arch.synth_options:
+            takers = ", ".join(name for name, cls in ARCHS.items() if option in cls.synth_options)
+            raise ValueError(f"{option} is a {takers or 'no architecture'} setting, not {spec.arch}'s")
     for field, value in (("dtype", spec.dtype), ("embd_dtype", spec.embd_dtype or spec.dtype)):
         if value not in MATRIX_DTYPES:
             raise ValueError(f"{field}={value!r} is not one of {MATRIX_DTYPES}")
@@ -147,9 +163,7 @@ def _check_spec(spec: SynthSpec) -> None:
         raise ValueError(f"n_embd={spec.n_embd} is not a multiple of n_head={spec.n_head}; give head_dim")
     if spec.n_embd_head % 2:
         raise ValueError(f"head_dim={spec.n_embd_head} must be even for RoPE")
-    if spec.arch == "qwen2" and spec.n_embd_head * spec.n_head != spec.n_embd:
-        # llama.cpp's qwen2 loader shapes attn_q/attn_output as {n_embd, n_embd}
-        raise ValueError(f"qwen2 needs head_dim * n_head == n_embd, got {spec.n_embd_head}*{spec.n_head}")
+    arch.synth_check(spec)
     if spec.n_vocab < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"n_vocab={spec.n_vocab} is below the {256 + len(SPECIAL_TOKENS)} "
                          "byte + special tokens")
@@ -182,16 +196,24 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling))
         w.add_rope_scaling_factor(spec.rope_scaling_factor)
         w.add_rope_scaling_orig_ctx_len(spec.n_ctx_train // 4)
-    if spec.arch == "gemma3":
-        w.add_key_length(spec.n_embd_head)
-        w.add_value_length(spec.n_embd_head)
-        if spec.sliding_window:
-            w.add_sliding_window(spec.sliding_window)
-            w.add_uint32(f"{spec.arch}.attention.sliding_window_pattern", spec.swa_pattern)
-            w.add_float32(f"{spec.arch}.rope.freq_base_swa", 10000.0)
+    ARCHS[spec.arch]().synth_metadata(w, spec)
+    if spec.sliding_window:   # llama.cpp's generic keys, for the architectures that take them
+        w.add_sliding_window(spec.sliding_window)
+        w.add_uint32(f"{spec.arch}.attention.sliding_window_pattern", spec.swa_pattern)
+        w.add_float32(f"{spec.arch}.rope.freq_base_swa", 10000.0)
     w.add_file_type(MATRIX_FILE_TYPES[spec.dtype])
     if dtype_named(spec.dtype).is_quantized or dtype_named(spec.embd_dtype or spec.dtype).is_quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def synth_hparams(spec: SynthSpec) -> HParams:
+    """The hparams llamir loads from the model `spec` describes (the shapes its tensor specs need)."""
+    n, hd = spec.n_layer, spec.n_embd_head
+    return HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
+                   n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(spec.n_head,) * n,
+                   n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=hd,
+                   f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
+                   rope_scaling_type_train=spec.rope_scaling or "linear")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,52 +324,35 @@ def _apply_merge(word_counts: dict[tuple[str, ...], int], pair: tuple[str, str],
 # Weights
 
 
+def _matrix(rng: np.random.Generator, shape: tuple[int, ...], gain: float) -> np.ndarray:
+    # std 1/sqrt(fan_in) keeps each projection's output O(1) for an O(1) input
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain / np.sqrt(shape[-1]))
+
+
+def _norm(rng: np.random.Generator, shape: tuple[int, ...], gain: float) -> np.ndarray:
+    return (gain + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+def _bias(rng: np.random.Generator, shape: tuple[int, ...], gain: float) -> np.ndarray:
+    return (0.2 * gain) * rng.standard_normal(shape, dtype=np.float32)
+
+
+def _embedding(rng: np.random.Generator, shape: tuple[int, ...], gain: float) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain)
+
+
+# one function per arch.base.INIT_RULES entry: (rng, shape, gain) -> float32 values
+_INIT = {"matrix": _matrix, "norm": _norm, "bias": _bias, "embedding": _embedding}
+
+
 def _tensors(spec: SynthSpec):
-    """(name, array, raw ggml type or None) for every tensor, in a fixed order."""
+    """(name, array, raw ggml type or None) for every tensor of the architecture's specs that a
+    synthetic model has (output.weight not when tied), in spec order."""
     rng = np.random.default_rng(spec.seed)
-    hd, n_q, n_kv = spec.n_embd_head, spec.n_head * spec.n_embd_head, spec.n_head_kv * spec.n_embd_head
-
-    def matrix(n_out: int, n_in: int, gain: float = 1.0) -> np.ndarray:
-        # std 1/sqrt(fan_in) keeps each projection's output O(1) for an O(1) input
-        return rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(gain / np.sqrt(n_in))
-
-    def norm(n: int, mean: float = 1.0) -> np.ndarray:
-        return (mean + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
-
-    def bias(n: int) -> np.ndarray:
-        return 0.2 * rng.standard_normal(n, dtype=np.float32)
-
-    embd_dtype = spec.embd_dtype or spec.dtype
-    embd_scale = np.float32(1 / np.sqrt(spec.n_embd)) if spec.arch == "gemma3" else np.float32(1)  # x sqrt(E)
-    yield _typed("token_embd.weight", rng.standard_normal((spec.n_vocab, spec.n_embd), dtype=np.float32)
-                 * embd_scale, embd_dtype)
-    yield _typed("output_norm.weight", norm(spec.n_embd), "f32")
-    if not spec.tied:
-        # gain 3: logits with a std of ~3 (tied models get std ~sqrt(n_embd) from the O(1) embedding)
-        yield _typed("output.weight", matrix(spec.n_vocab, spec.n_embd, gain=3.0), spec.dtype)
-    for il in range(spec.n_layer):
-        p = f"blk.{il}."
-        yield _typed(p + "attn_norm.weight", norm(spec.n_embd), "f32")
-        # qwen3 normalises q and k per head, so the gain goes into those norm weights instead
-        qk_gain = 1.0 if spec.arch in ("qwen3", "gemma3") else QK_GAIN
-        yield _typed(p + "attn_q.weight", matrix(n_q, spec.n_embd, qk_gain), spec.dtype)
-        yield _typed(p + "attn_k.weight", matrix(n_kv, spec.n_embd, qk_gain), spec.dtype)
-        yield _typed(p + "attn_v.weight", matrix(n_kv, spec.n_embd), spec.dtype)
-        if spec.arch == "qwen2":
-            yield _typed(p + "attn_q.bias", bias(n_q), "f32")
-            yield _typed(p + "attn_k.bias", bias(n_kv), "f32")
-            yield _typed(p + "attn_v.bias", bias(n_kv), "f32")
-        if spec.arch in ("qwen3", "gemma3"):
-            yield _typed(p + "attn_q_norm.weight", norm(hd, QK_GAIN), "f32")
-            yield _typed(p + "attn_k_norm.weight", norm(hd, QK_GAIN), "f32")
-        yield _typed(p + "attn_output.weight", matrix(spec.n_embd, n_q), spec.dtype)
-        if spec.arch == "gemma3":
-            yield _typed(p + "post_attention_norm.weight", norm(spec.n_embd, 0.5), "f32")
-            yield _typed(p + "post_ffw_norm.weight", norm(spec.n_embd, 0.5), "f32")
-        yield _typed(p + "ffn_norm.weight", norm(spec.n_embd), "f32")
-        yield _typed(p + "ffn_gate.weight", matrix(spec.n_ff, spec.n_embd), spec.dtype)
-        yield _typed(p + "ffn_up.weight", matrix(spec.n_ff, spec.n_embd), spec.dtype)
-        yield _typed(p + "ffn_down.weight", matrix(spec.n_embd, spec.n_ff), spec.dtype)
+    storage = {"weight": spec.dtype, "embd": spec.embd_dtype or spec.dtype, "f32": "f32"}
+    for t in ARCHS[spec.arch]().tensor_specs(synth_hparams(spec)):
+        if t.in_synth and not (spec.tied and t.name == "output.weight"):
+            yield _typed(t.name, _INIT[t.init_rule](rng, t.shape, t.gain), storage[t.storage_kind])
 
 
 def _typed(name: str, values: np.ndarray, dtype: str):

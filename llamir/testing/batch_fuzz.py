@@ -327,7 +327,7 @@ class BatchFuzzer:
 def _memory(ctx) -> tuple:
     """Every cell's position, sequences and pending shift, and the heads, of every cache."""
     out = []
-    for cache in getattr(ctx.memory, "caches", (ctx.memory,)):
+    for cache in ctx.memory.caches:
         out.append(tuple(cache.v_heads))
         for cells in cache.v_cells:
             out.append((cells.pos.tobytes(), cells.seq.tobytes(), cells.shift.tobytes(), cells.has_shift,

@@ -167,7 +167,7 @@ def test_outputs_come_back_in_batch_order_through_lazy_swaps():
 
 def _memory_state(ctx):
     """Every cell's position, sequences and pending shift, and the search heads, of every cache."""
-    caches = getattr(ctx.memory, "caches", (ctx.memory,))
+    caches = ctx.memory.caches
     return [(c.pos.copy(), c.seq.copy(), c.shift.copy(), c.has_shift, list(cache.v_heads))
             for cache in caches for c in cache.v_cells]
 

@@ -88,7 +88,7 @@ def feed(ctx: llamir.Context, mode: str, prompt=PROMPT) -> np.ndarray:
 
 def rotation(ctx: llamir.Context) -> list[tuple[int, int]]:
     """(rot_k, rot_v) of each cache of a context that has layers in it."""
-    caches = getattr(ctx.memory, "caches", (ctx.memory,))
+    caches = ctx.memory.caches
     return [(c.layout.rot_k, c.layout.rot_v) for c in caches if c.layout.layers]
 
 

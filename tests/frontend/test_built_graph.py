@@ -70,6 +70,6 @@ def test_a_graph_without_memory_reads_the_ubatch_mask(model):
     from dataclasses import replace
 
     ctx, _ = _built(model)
-    built = model.build_graph(replace(ctx.graph_config(has_tokens=True), kv=None, kv_swa=None))
+    built = model.build_graph(replace(ctx.graph_config(has_tokens=True), memory=()))
     assert "attn_no_cache" in [s.kind for s in built.inputs] and not built.memory
     assert "attn_kv" not in [s.kind for s in built.inputs]

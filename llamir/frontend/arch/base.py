@@ -17,13 +17,61 @@ def register_arch(cls: type[Architecture]) -> type[Architecture]:
     return cls
 
 
+# Attention logits scale with the q and k gains squared; ~1.5 each gives scores with std ~2.
+QK_GAIN = 1.5
+# How synth draws a random tensor (synth._INIT has one function for each): a matrix N(0, 1) *
+# gain / sqrt(fan_in), so each projection keeps an O(1) input O(1); a norm (or any multiplicative
+# vector) gain + N(0, 0.1); a bias 0.2 * gain * N(0, 1); the token embedding N(0, 1) * gain.
+INIT_RULES = ("matrix", "norm", "bias", "embedding")
+# What a tensor is stored as: the model's matrix dtype (the one quantized), the embedding's, or f32.
+STORAGES = ("weight", "embd", "f32")
+
+
 @dataclass(frozen=True)
 class TensorSpec:
-    """A tensor the architecture reads: GGUF name, numpy-order shape, whether it must exist."""
+    """A tensor the architecture reads: GGUF name, numpy-order shape, whether it must exist, and how
+    synth writes a random one: the `init` rule (INIT_RULES; "" = chosen by the name) times `gain`,
+    stored as `storage` (STORAGES; "" = weight for a matrix, f32 otherwise), written when `synth`
+    (None = when required)."""
 
     name: str
     shape: tuple[int, ...]
     required: bool = True
+    init: str = ""
+    gain: float = 1.0
+    storage: str = ""
+    synth: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.init not in ("", *INIT_RULES):
+            raise ValueError(f"tensor {self.name!r}: init {self.init!r} is not one of {INIT_RULES}")
+        if self.storage not in ("", *STORAGES):
+            raise ValueError(f"tensor {self.name!r}: storage {self.storage!r} is not one of {STORAGES}")
+
+    @property
+    def init_rule(self) -> str:
+        """The init rule, by the name when none is given: biases, norms, the token embedding, matrices."""
+        if self.init:
+            return self.init
+        stem = self.name.rsplit(".", 1)
+        if stem[-1] == "bias":
+            return "bias"
+        if stem[0].endswith("norm") or len(self.shape) == 1:
+            return "norm"
+        return "embedding" if self.name == "token_embd.weight" else "matrix"
+
+    @property
+    def storage_kind(self) -> str:
+        if self.storage:
+            return self.storage
+        if self.name == "token_embd.weight":
+            return "embd"
+        return "weight" if len(self.shape) >= 2 else "f32"
+
+    @property
+    def in_synth(self) -> bool:
+        """Whether a synthetic model of the architecture has this tensor."""
+        return self.required if self.synth is None else self.synth
 
 
 class ArchError(ValueError):
@@ -48,6 +96,14 @@ class Architecture(ABC):
     def tensor_specs(self, hp: HParams) -> list[TensorSpec]:
         """The tensors this architecture loads (load_arch_tensors)."""
 
+    def create_memory(self, hp: HParams, causal: bool = True) -> str:
+        """llama_model::create_memory's choice, as the kind of memory the context makes
+        (llamir.context.memory.MEMORY_KINDS): none for a non-causal encoder, the iSWA pair of
+        caches when layers have a sliding window, else one unified KV cache."""
+        if not causal:
+            return "none"
+        return "kv_iswa" if hp.n_swa and any(hp.swa_layers) else "kv"
+
     def rope_freq_base(self, hp: HParams, rope, il: int) -> float:
         """The rope base of layer il (llama_model::get_rope_freq_base); SWA layers may differ."""
         return rope.freq_base
@@ -56,36 +112,46 @@ class Architecture(ABC):
     def build(self, g) -> None:
         """Build the decoder graph on a GraphContext `g`."""
 
+    # -- synthetic models (llamir.frontend.synth) ---------------------------------------------
+    # the SynthSpec fields only some architectures take, which this one does
+    synth_options: ClassVar[frozenset[str]] = frozenset()
 
-def decoder_specs(hp: HParams, *, qk_norm: bool = False, out_bias: bool = False,
-                  rope_freqs: bool = False) -> list[TensorSpec]:
-    """The tensors of a llama-style decoder (llama.cpp load_arch_tensors for llama/qwen2/qwen3/gemma3):
-    q/k/v biases are optional everywhere (create_tensor_qkv); the attention output bias and
-    rope_freqs only where the architecture's loader creates them."""
+    def synth_check(self, spec) -> None:
+        """Refuse a SynthSpec this architecture cannot be written with (a ValueError naming it)."""
+        return None
+
+    def synth_metadata(self, w, spec) -> None:
+        """Write this architecture's own hparam keys of `spec` with the gguf.GGUFWriter `w`."""
+        return None
+
+
+def decoder_specs(hp: HParams, *, qkv_bias: bool = False, qk_norm: bool = False, out_bias: bool = False,
+                  post_norms: bool = False, rope_freqs: bool = False, embd_gain: float = 1.0) -> list[TensorSpec]:
+    """The tensors of a llama-style decoder (llama.cpp load_arch_tensors for llama/qwen2/qwen3/gemma3),
+    in the order of the block: q/k/v biases are optional everywhere (create_tensor_qkv; synth writes
+    them with qkv_bias); the attention output bias and rope_freqs only where the architecture's loader
+    creates them. With qk_norm the score gain is in the q/k norms, else in the q/k matrices."""
     e, v = hp.n_embd, hp.n_vocab
-    specs = [TensorSpec("token_embd.weight", (v, e)), TensorSpec("output_norm.weight", (e,)),
-             TensorSpec("output.weight", (v, e), required=False)]
+    # gain 3: logits with a std of ~3 (tied models get std ~sqrt(n_embd) from the O(1) embedding)
+    specs = [TensorSpec("token_embd.weight", (v, e), gain=embd_gain), TensorSpec("output_norm.weight", (e,)),
+             TensorSpec("output.weight", (v, e), required=False, gain=3.0, synth=True)]
+    qk_gain = 1.0 if qk_norm else QK_GAIN
     for il in range(hp.n_layer):
-        p = f"blk.{il}."
-        n_q = hp.n_embd_head_k * hp.n_head(il)
-        specs += [
-            TensorSpec(p + "attn_norm.weight", (e,)),
-            TensorSpec(p + "attn_q.weight", (n_q, e)),
-            TensorSpec(p + "attn_k.weight", (hp.n_embd_k_gqa(il), e)),
-            TensorSpec(p + "attn_v.weight", (hp.n_embd_v_gqa(il), e)),
-            TensorSpec(p + "attn_output.weight", (e, hp.n_embd_head_v * hp.n_head(il))),
-            TensorSpec(p + "ffn_norm.weight", (e,)),
-            TensorSpec(p + "ffn_gate.weight", (hp.n_ff(il), e)),
-            TensorSpec(p + "ffn_up.weight", (hp.n_ff(il), e)),
-            TensorSpec(p + "ffn_down.weight", (e, hp.n_ff(il))),
-        ]
-        specs += [TensorSpec(p + f"attn_{x}.bias", (n,), required=False)
-                  for x, n in (("q", n_q), ("k", hp.n_embd_k_gqa(il)), ("v", hp.n_embd_v_gqa(il)))]
+        p, n_q, n_k, n_v = f"blk.{il}.", hp.n_embd_head_k * hp.n_head(il), hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)
+        specs += [TensorSpec(p + "attn_norm.weight", (e,)), TensorSpec(p + "attn_q.weight", (n_q, e), gain=qk_gain),
+                  TensorSpec(p + "attn_k.weight", (n_k, e), gain=qk_gain), TensorSpec(p + "attn_v.weight", (n_v, e))]
+        specs += [TensorSpec(p + f"attn_{x}.bias", (n,), required=False, synth=qkv_bias)
+                  for x, n in (("q", n_q), ("k", n_k), ("v", n_v))]
+        if qk_norm:
+            specs += [TensorSpec(p + f"attn_{x}_norm.weight", (hp.n_embd_head_k,), gain=QK_GAIN) for x in "qk"]
+        specs.append(TensorSpec(p + "attn_output.weight", (e, hp.n_embd_head_v * hp.n_head(il))))
         if out_bias:
             specs.append(TensorSpec(p + "attn_output.bias", (e,), required=False))
-        if qk_norm:
-            specs += [TensorSpec(p + "attn_q_norm.weight", (hp.n_embd_head_k,)),
-                      TensorSpec(p + "attn_k_norm.weight", (hp.n_embd_head_k,))]
+        if post_norms:
+            specs += [TensorSpec(p + f"{x}.weight", (e,), gain=0.5) for x in ("post_attention_norm", "post_ffw_norm")]
+        f = hp.n_ff(il)
+        specs += [TensorSpec(p + "ffn_norm.weight", (e,)), TensorSpec(p + "ffn_gate.weight", (f, e)),
+                  TensorSpec(p + "ffn_up.weight", (f, e)), TensorSpec(p + "ffn_down.weight", (e, f))]
     if rope_freqs:
         specs.append(TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), required=False))
     return specs
@@ -111,5 +177,5 @@ def require_rope_dims(f, hp: HParams) -> None:
                         f"(0, {hp.n_embd_head_k}], the head size (llama.cpp aborts at its first decode)")
 
 
-__all__ = ["ARCHS", "FUSED_QKV", "ROPE_NEOX", "ROPE_NORM", "ArchError", "Architecture", "TensorSpec", "decoder_specs",
-           "register_arch", "require_rms_eps", "require_rope_dims"]
+__all__ = ["ARCHS", "FUSED_QKV", "INIT_RULES", "QK_GAIN", "ROPE_NEOX", "ROPE_NORM", "STORAGES", "ArchError",
+           "Architecture", "TensorSpec", "decoder_specs", "register_arch", "require_rms_eps", "require_rope_dims"]
