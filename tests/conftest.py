@@ -75,6 +75,17 @@ def golden(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
 
 
 @pytest.fixture(scope="session")
+def conformance_llvm():
+    """The LLVM backend the architecture conformance tests share (the oracle build's numerics)."""
+    from llamir.backends.llvm import LLVMBackend
+    from llamir.testing.llama_cpp import oracle_numerics
+
+    backend = LLVMBackend(n_threads=2, disk_cache=False, numerics=oracle_numerics())
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
 def conformance_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[object], pathlib.Path]:
     """case -> the GGUF of a llamir.testing.conformance Case, written once per session, so the
     reference and LLVM suites (and their memoised logits) share the same files."""

@@ -8,6 +8,7 @@ import logging
 import numpy as np
 
 from llamir.context.kv_cache import KVCache, SeqOpError
+from llamir.frontend.arch.base import ROPE_NONE
 from llamir.frontend.graph_kv import build_shift_graph
 
 log = logging.getLogger("llamir")
@@ -48,6 +49,10 @@ class MemoryUpdater:
         cache.pending_copies.clear()
 
     def _k_shift(self, cache: KVCache) -> None:
+        if self.model.arch.rope_type == ROPE_NONE:   # llama.cpp builds no shift graph: no key to re-rope
+            for cells in cache.v_cells:
+                cells.reset_shift()
+            return
         hp = self.model.hparams
         key = id(cache)
         if key not in self._shift:

@@ -224,7 +224,7 @@ class GraphContext:
             return self.b.input("inp_embd", [self.T, self.hp.n_embd], F32)
         self._declare(InputSpec("embd", ("inp_tokens",), {"has_tokens": True}))
         tokens = self.b.input("inp_tokens", [self.T], I32)
-        return self.b.get_rows(self.w("token_embd.weight"), tokens, name="inp_embd")
+        return self.b.get_rows(self.weights.token_embd, tokens, name="inp_embd")
 
     def inp_pos(self) -> Node:
         if self._pos is None:

@@ -60,6 +60,8 @@ class HParams:
     pooling_type: str = "unspecified"
     n_expert: int = 0
     n_expert_used: int = 0
+    n_ff_exp: int = 0      # an expert's ffn width ({arch}.expert_feed_forward_length; 0 = unset)
+    n_ff_shexp: int = 0    # the shared expert's ({arch}.expert_shared_feed_forward_length; 0 = unset)
     n_swa: int = 0
     swa_type: str = "none"
     swa_layers: tuple[bool, ...] = ()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -120,9 +120,15 @@ class SynthSpec:
     def n_embd_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
 
+    @property
+    def n_rot(self) -> int:
+        """rope.dimension_count: the whole head, or its partial_rotary share (as convert_hf_to_gguf)."""
+        return self.n_embd_head if self.partial_rotary is None else int(self.n_embd_head * self.partial_rotary)
+
 
 def write_model(path: str | Path, spec: SynthSpec) -> Path:
     """Write the model described by `spec` to `path` (atomically) and return the path."""
+    spec = with_arch_defaults(spec)
     _check_spec(spec)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +193,7 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(spec.n_embd_head)
+    w.add_rope_dimension_count(spec.n_rot)
     if spec.n_embd_head * spec.n_head != spec.n_embd:
         w.add_key_length(spec.n_embd_head)
         w.add_value_length(spec.n_embd_head)
@@ -208,12 +214,21 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
 
 def synth_hparams(spec: SynthSpec) -> HParams:
     """The hparams llamir loads from the model `spec` describes (the shapes its tensor specs need)."""
+    spec = with_arch_defaults(spec)
     n, hd = spec.n_layer, spec.n_embd_head
     return HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
                    n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(spec.n_head,) * n,
-                   n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=hd,
+                   n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
                    f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
-                   rope_scaling_type_train=spec.rope_scaling or "linear")
+                   rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
+                   n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
+
+
+def with_arch_defaults(spec: SynthSpec) -> SynthSpec:
+    """`spec` with the options its architecture needs set (synth_defaults) where it leaves them unset."""
+    cls = ARCHS.get(spec.arch)
+    unset = {k: v for k, v in (cls.synth_defaults if cls else {}).items() if getattr(spec, k) == ARCH_OPTIONS.get(k)}
+    return replace(spec, **unset) if unset else spec
 
 
 # ----------------------------------------------------------------------------------------------

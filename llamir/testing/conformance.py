@@ -166,3 +166,52 @@ def mismatch(what: str, llvm: np.ndarray, numpy: np.ndarray, llama_cpp: np.ndarr
     rows = np.flatnonzero(np.any(llvm != numpy, axis=-1)) if llvm.ndim > 1 else np.zeros(0, int)
     return (f"{what}: NMSE llvm/numpy {nmse(llvm, numpy):.3g}, numpy/llama.cpp {nmse(numpy, llama_cpp):.3g}, "
             f"llvm/llama.cpp {nmse(llvm, llama_cpp):.3g}; rows where llvm != numpy: {[int(r) for r in rows[:8]]}")
+
+
+# -- the checks every architecture's conformance tests make -----------------------------------------
+def numpy_errors(path: Path, modes=MODES) -> dict[str, float]:
+    """NMSE of the numpy reference against llama.cpp per feeding mode (0 where exact)."""
+    from llamir.testing.llama_cpp import nmse
+
+    model = llamir.load_model(path)
+    return {mode: nmse(llamir_logits(model, mode, "numpy"), llama_cpp_logits(path, mode)) for mode in modes}
+
+
+def llvm_mismatches(path: Path, backend: Backend, modes=MODES) -> list[str]:
+    """The feeding modes where the LLVM backend, the numpy reference and llama.cpp disagree, each
+    with which side moved (empty: all three bit for bit)."""
+    model = llamir.load_model(path)
+    moved = []
+    for mode in modes:
+        llvm, numpy = llamir_logits(model, mode, backend), llamir_logits(model, mode, "numpy")
+        theirs = llama_cpp_logits(path, mode)
+        if not ((llvm == numpy).all() and (llvm == theirs).all()):
+            moved.append(mismatch(mode, llvm, numpy, theirs))
+    return moved
+
+
+def device_logits(model, devices=(), placement=None, backend: str | Backend = "llvm", n_ctx: int = N_CTX,
+                  **params) -> tuple[llamir.Context, list[np.ndarray]]:
+    """A prompt of 40 tokens (every row) then one more token on `devices` placed by `placement`:
+    the context and the two logits blocks, to compare a split run with the CPU's."""
+    ctx = llamir.Context(model, n_ctx=n_ctx, flash_attn="off", backend=backend, devices=list(devices),
+                         placement=placement, **params)
+    tokens = list(range(5, 45))
+    assert ctx.decode(llamir.Batch.from_tokens(tokens, logits="all")) == 0, ctx.last_error
+    rows = [ctx.get_logits().copy()]
+    assert ctx.decode(llamir.Batch.from_tokens([3], pos0=len(tokens))) == 0, ctx.last_error
+    rows.append(ctx.get_logits_ith(-1).copy())
+    return ctx, rows
+
+
+def assert_device_matches_cpu(model, devices=("sim:gpu0",), placement=None, min_splits: int = 2, **params):
+    """The model split over `devices` gives the CPU's logits bit for bit, in at least min_splits
+    splits; returns the device context."""
+    from llamir.frontend.placement import PlacementParams
+
+    _, want = device_logits(model, **params)
+    ctx, got = device_logits(model, devices, placement or PlacementParams(n_gpu_layers=2), **params)
+    assert ctx.n_splits["pp"] >= min_splits, ctx.n_splits
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    return ctx

@@ -127,12 +127,12 @@ def test_gguf_file_reads_back_the_hparams(tmp_path, arch):
 
 def test_invalid_specs_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="arch"):
-        write_model(tmp_path / "m.gguf", SynthSpec(arch="gpt2"))
+        write_model(tmp_path / "m.gguf", SynthSpec(arch="no-such-arch"))
     with pytest.raises(ValueError, match="multiples of 32"):
         write_model(tmp_path / "m.gguf", SynthSpec(dtype="q4_0", n_embd=48, n_head=4, n_head_kv=2))
     with pytest.raises(ValueError, match="qwen2"):
         write_model(tmp_path / "m.gguf", SynthSpec(arch="qwen2", head_dim=32))
-    with pytest.raises(ValueError, match="sliding_window is a gemma3 setting"):
+    with pytest.raises(ValueError, match=r"sliding_window is a (.*, )?gemma3(, .*)? setting"):
         write_model(tmp_path / "m.gguf", SynthSpec(sliding_window=64))
 
 

@@ -66,6 +66,9 @@ def test_synth_writes_exactly_the_specs_a_model_has(tmp_path):
     for arch in REGISTERED:
         for tied in (False, True):
             spec = SynthSpec(arch=arch, n_layer=2, tied=tied)
+            if tied and any(t.name == "output.weight" and t.required
+                            for t in ARCHS[arch]().tensor_specs(synth_hparams(spec))):
+                continue   # llama.cpp's loader requires this architecture's output.weight: never tied
             model = llamir.load_model(write_model(tmp_path / f"{arch}-{tied}.gguf", spec))
             want = [t.name for t in ARCHS[arch]().tensor_specs(synth_hparams(spec))
                     if t.in_synth and not (tied and t.name == "output.weight")]
@@ -187,5 +190,5 @@ def test_gemma3_hparams_are_its_typed_extras(tmp_path):
     assert "query_scale" in hp.to_dict() and not hasattr(hp, "f_final_logit_softcapping")
     llama = llamir.load_model(write_model(tmp_path / "l.gguf", SynthSpec(n_layer=1))).hparams
     assert type(llama.extra) is ArchHParams and llama.n_swa == 0
-    with pytest.raises(ValueError, match="sliding_window is a gemma3 setting, not llama's"):
+    with pytest.raises(ValueError, match=r"sliding_window is a (.*, )?gemma3(, .*)? setting, not llama's"):
         write_model(tmp_path / "bad.gguf", SynthSpec(arch="llama", sliding_window=8))

@@ -2,10 +2,17 @@
 
 # one line per architecture module (registration on import)
 from llamir.frontend.arch import (
+    gemma2,  # noqa: F401
     gemma3,  # noqa: F401
+    gpt2,  # noqa: F401
     llama,  # noqa: F401
+    phi3,  # noqa: F401
     qwen2,  # noqa: F401
+    qwen2moe,  # noqa: F401
     qwen3,  # noqa: F401
+    qwen3moe,  # noqa: F401
+    stablelm,  # noqa: F401
+    starcoder2,  # noqa: F401
 )
 from llamir.frontend.arch.base import ARCHS, ArchError, Architecture, TensorSpec, register_arch
 

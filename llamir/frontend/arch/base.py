@@ -9,6 +9,9 @@ from typing import ClassVar
 from llamir.frontend.hparams import HParams
 from llamir.ir.ops import ROPE_NEOX, ROPE_NORM
 
+# LLAMA_ROPE_TYPE_NONE: an architecture without rope (gpt2); a K-shift then moves positions only
+ROPE_NONE = -1
+
 ARCHS: dict[str, type[Architecture]] = {}
 
 
@@ -115,6 +118,9 @@ class Architecture(ABC):
     # -- synthetic models (llamir.frontend.synth) ---------------------------------------------
     # the SynthSpec fields only some architectures take, which this one does
     synth_options: ClassVar[frozenset[str]] = frozenset()
+    # values of those fields a synthetic model of this architecture needs (an MoE's expert counts),
+    # taken when the SynthSpec leaves the field at its default
+    synth_defaults: ClassVar[dict[str, object]] = {}
 
     def synth_check(self, spec) -> None:
         """Refuse a SynthSpec this architecture cannot be written with (a ValueError naming it)."""

@@ -15,6 +15,7 @@ class LlamaFamily(Architecture):
 
     ffn_act: ClassVar[str] = "silu"
     out_bias: ClassVar[bool] = False   # whether the specs declare blk.N.attn_output.bias (optional)
+    moe_norm_w: ClassVar[bool] = True  # whether the selected experts' weights are renormalised to sum 1
 
     def kq_scale(self, hp) -> float:
         return 1.0 / math.sqrt(hp.n_embd_head_v)
@@ -23,6 +24,13 @@ class LlamaFamily(Architecture):
         """Rotary embedding of q and k [T, H(kv), d], given the block's weights L."""
         return (g.rope(q, self.rope_type, il, name=("Qcur", il)),
                 g.rope(k, self.rope_type, il, name=("Kcur", il)))
+
+    def ffn_block(self, g, L, il: int, cur):
+        """The block's ffn on the normed input [T, E]: dense, or the experts when the model has them."""
+        if not g.hp.n_expert:
+            return g.ffn(cur, L.ffn_up, L.ffn_gate, L.ffn_down, act=self.ffn_act, il=il)
+        return g.moe_ffn(cur, L.ffn_gate_inp, L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, g.hp.n_expert_used,
+                         act=self.ffn_act, norm_w=self.moe_norm_w, il=il)
 
     def build(self, g) -> None:
         hp, b, W = g.hp, g.b, g.weights
@@ -41,7 +49,7 @@ class LlamaFamily(Architecture):
                 residual = b.get_rows(residual, out_ids)
             x = b.add(cur, residual, name=("ffn_inp", il))
             cur = g.norm(x, L.ffn_norm, name=("ffn_norm", il))
-            cur = g.ffn(cur, L.ffn_up, L.ffn_gate, L.ffn_down, act=self.ffn_act, il=il)
+            cur = self.ffn_block(g, L, il, cur)
             x = b.add(cur, x, name=("l_out", il))
         hidden = g.norm(x, W.output_norm)                                             # [n_out, E]
         g.finish(hidden, b.mul_mat(g.output_weight(), hidden))                        # [n_out, V]
