@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from llamir.ir import Graph, Node
+from llamir.ir import Graph
 
 if TYPE_CHECKING:
     from llamir.frontend.graph_kv import KVLayout
@@ -75,9 +75,6 @@ class LayerMap:
             self._of.clear()
         self._of[id(graph)] = (graph, out)
         return out
-
-    def layer(self, graph: Graph, value: Node) -> int:
-        return self.of(graph)[id(value)]
 
 
 @dataclass

@@ -80,10 +80,6 @@ class GraphConfig:
     embeddings: bool = False     # also output the final hidden state (t_embd)
     pooling: str = "none"        # none | mean | cls | last | rank (applied when embeddings)
 
-    def layout(self, suffix: str = "") -> KVLayout | None:
-        """The cache with this input suffix ("" the main one, "_swa" an iSWA model's window)."""
-        return next((lay for lay in self.memory if lay.suffix == suffix), None)
-
     @property
     def n_stream(self) -> int:
         return self.memory[0].n_stream if self.memory else 1
@@ -121,7 +117,6 @@ class GraphContext:
         self._out_ids: Node | None = None
         self._layer_attn: dict[int, object] = {}
         self._inputs: list[InputSpec] = []
-        self.layer = INPUT_LAYER
         self._marks: list[tuple[int, int, int]] = []   # (layer, first node, first leaf) as blocks begin
         if not config.memory:
             self.kv = NoCacheGraph(self.b, tokens, config.flash_attn)
@@ -144,7 +139,6 @@ class GraphContext:
     def _enter(self, layer: int) -> None:
         graph = self.b.graph
         self._marks.append((layer, len(graph.nodes), len(graph.leafs)))
-        self.layer = layer
 
     def built(self) -> BuiltGraph:
         """The graph with its input specs, memory layouts and layer map."""
