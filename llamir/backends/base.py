@@ -256,8 +256,7 @@ class TensorData:
 
     def read(self) -> np.ndarray:
         """A host copy of the tensor (through get_bytes: a device copy counts as one)."""
-        raw = self.buffer.get_bytes(self.offset, self.nbytes)
-        return np.array(np.ndarray(self.shape, self.dtype, raw, 0, self.strides))
+        return host_array(self.buffer.get_bytes(self.offset, self.nbytes), self)
 
     def write(self, value: np.ndarray) -> None:
         """Overwrite a contiguous tensor with `value` (same storage shape and dtype)."""
@@ -287,6 +286,13 @@ def alloc_tensors(
         out[name] = TensorData(buffer, offsets[name], tuple(shape), dtype, c_strides(shape, dtype.itemsize),
                                int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return out
+
+
+def host_array(raw: np.ndarray, td: TensorData) -> np.ndarray:
+    """The tensor `td` read out as `raw` (a fresh host copy of its nbytes bytes), typed: in place
+    when it is C-contiguous, else compacted."""
+    typed = np.ndarray(td.shape, td.dtype, raw, 0, td.strides)
+    return typed if typed.flags.c_contiguous else typed.copy()
 
 
 def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

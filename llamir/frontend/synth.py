@@ -184,7 +184,7 @@ def _check_spec(spec: SynthSpec) -> None:
 
 
 def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
-    w.add_name(f"synth-{spec.arch}-{spec.dtype}")
+    w.add_name(ARCHS[spec.arch]().synth_name(spec))
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layer)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llamir.backends.base import TensorData
+from llamir.backends.base import TensorData, host_array
 from llamir.ir import Graph, Node
 from llamir.ir.interp import storage_dtype, storage_shape
 from llamir.sched.plan import (
@@ -191,8 +191,7 @@ class SplitMemory:
     def read(self, backend, ref) -> np.ndarray:
         """A host copy of a value, read through its backend (ggml_backend_tensor_get)."""
         td = self.tensor(ref)
-        raw = backend.get_tensor_async(td)
-        return np.array(np.ndarray(td.shape, td.dtype, raw, 0, td.strides))
+        return host_array(backend.get_tensor_async(td), td)
 
 
 def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe: Observe = None) -> bool:

@@ -126,6 +126,10 @@ class Architecture(ABC):
         """Refuse a SynthSpec this architecture cannot be written with (a ValueError naming it)."""
         return None
 
+    def synth_name(self, spec) -> str:
+        """general.name of a synthetic model."""
+        return f"synth-{spec.arch}-{spec.dtype}"
+
     def synth_metadata(self, w, spec) -> None:
         """Write this architecture's own hparam keys of `spec` with the gguf.GGUFWriter `w`."""
         return None

@@ -67,13 +67,14 @@ class Phi3(Architecture):
         if spec.n_embd_head * spec.n_head != spec.n_embd:   # the loader shapes attn_output {n_embd, n_embd}
             raise ValueError(f"phi3 needs head_dim * n_head == n_embd, got {spec.n_embd_head}*{spec.n_head}")
 
+    def synth_name(self, spec) -> str:
+        # llama.cpp gives a model named *phi3* the rstrip attributes of Phi-3's vocab, whose </s>, <s>
+        # and <unk> the synthetic vocab lacks (it throws): the name must not say phi3 or phi-3
+        return f"synth-longrope-{spec.dtype}"
+
     def synth_metadata(self, w, spec) -> None:
         """LongRoPE's keys: the original context and the attention factor convert_hf_to_gguf writes,
         sqrt(1 + ln(n_ctx_train / orig) / ln(orig))."""
-        # llama.cpp gives a model named *phi3* the rstrip attributes of Phi-3's vocab, whose </s>, <s>
-        # and <unk> the synthetic vocab lacks (it throws): the name must not say phi3 or phi-3
-        w.kv_data[0].pop("general.name", None)
-        w.add_name(f"synth-longrope-{spec.dtype}")
         orig = spec.n_ctx_train // SYNTH_ORIG_CTX_SHARE
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(spec.n_ctx_train / orig) / math.log(orig)))
