@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from llamir.ir import Graph, Node, ops
-from llamir.sched.plan import Cause, SchedError, TensorBuffer, is_view_like, view_root
+from llamir.ir.geometry import is_view_like, view_root
+from llamir.sched.plan import Cause, SchedError, TensorBuffer
 
 if TYPE_CHECKING:
     from llamir.backends.base import BufferType

@@ -13,8 +13,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from llamir.ir import Node
+from llamir.ir.geometry import ggml_nbytes, is_view_like, value_strides, view_root
 from llamir.sched.alloc import Address, Allocation, ATensor, GraphAllocator
-from llamir.sched.plan import InputCopy, SplitPlan, ggml_nbytes, is_view_like, value_strides, view_root
+from llamir.sched.plan import InputCopy, SplitPlan
 
 
 class AllocCheckError(AssertionError):

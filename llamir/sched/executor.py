@@ -16,17 +16,16 @@ import numpy as np
 
 from llamir.backends.base import TensorData, host_array
 from llamir.ir import Graph, Node
-from llamir.ir.interp import storage_dtype, storage_shape
-from llamir.sched.plan import (
-    InputCopy,
-    Split,
-    SplitPlan,
+from llamir.ir.geometry import (
     ggml_nbytes,
     is_view_like,
+    storage_dtype,
+    storage_shape,
     value_strides,
     view_offset,
     view_root,
 )
+from llamir.sched.plan import InputCopy, Split, SplitPlan
 
 Observe = Callable[[Node, np.ndarray], bool] | None
 

@@ -6,8 +6,9 @@ copy on the split's backend (one per pipeline slot when n_copies > 1).
 from __future__ import annotations
 
 from llamir.ir import Node
+from llamir.ir.geometry import ggml_nbytes, value_strides
 from llamir.sched.assign import Assignment
-from llamir.sched.plan import InputCopy, Split, SplitPlan, ggml_nbytes, value_strides
+from llamir.sched.plan import InputCopy, Split, SplitPlan
 
 
 def _nbytes(a: Assignment, value: Node) -> int:
