@@ -1,6 +1,7 @@
 """The tensor IR: dtypes, types, ops, graphs, text form, verifier and the numpy reference."""
 
 from llamir.ir import geometry, ops
+from llamir.ir.bind import bind_dims
 from llamir.ir.builder import GraphBuilder, layer_name
 from llamir.ir.dims import Dim, Sym, sym
 from llamir.ir.dtypes import (

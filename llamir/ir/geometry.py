@@ -35,6 +35,12 @@ def value_strides(value: Node, cache: dict[int, tuple[int, ...]]) -> tuple[int, 
     return strides
 
 
+def storage_strides(value: Node, strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Byte strides of a value's storage array: its strides, but a quantized row's bytes are
+    read one by one (the row axis steps by a byte, not a block)."""
+    return tuple(strides[:-1]) + (1,) if value.dtype.is_quantized else tuple(strides)
+
+
 def view_offset(value: Node) -> int:
     """The byte offset of a view-like value's first element from its root's."""
     if value.is_leaf or not is_view_like(value):
@@ -66,5 +72,5 @@ def view_root(value: Node) -> Node:
     return value
 
 
-__all__ = ["ggml_nbytes", "is_view_like", "storage_dtype", "storage_shape", "value_strides", "view_offset",
-           "view_root"]
+__all__ = ["ggml_nbytes", "is_view_like", "storage_dtype", "storage_shape", "storage_strides", "value_strides",
+           "view_offset", "view_root"]

@@ -21,6 +21,7 @@ from llamir.ir.geometry import (
     is_view_like,
     storage_dtype,
     storage_shape,
+    storage_strides,
     value_strides,
     view_offset,
     view_root,
@@ -124,7 +125,7 @@ class SplitMemory:
             td = TensorData(
                 root.buffer, root.offset + view_offset(ref),
                 storage_shape(tuple(int(d) for d in ref.type.shape), ref.dtype), dtype,
-                tuple(strides[:-1]) + (dtype.itemsize,), ggml_nbytes(ref, strides),
+                storage_strides(ref, strides), ggml_nbytes(ref, strides),
             )
         elif td is None:
             raise ExecError(f"{self.plan.label(ref)} has no memory (not allocated)")

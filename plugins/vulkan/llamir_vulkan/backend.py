@@ -1,0 +1,287 @@
+"""The Vulkan backend: device memory behind llamir's Buffer interface, and splits computed by
+command buffers of shader dispatches, recorded once and replayed while the graph is reused."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from llamir.backends import (
+    Backend,
+    BackendError,
+    Buffer,
+    BufferType,
+    BufferUsage,
+    CostModel,
+    Device,
+    DeviceCaps,
+    DeviceType,
+    TensorData,
+    op_batch_size,
+)
+from llamir.ir import bind_dims, geometry, ops
+from llamir_vulkan import (  # noqa: F401 - each registers its kernels
+    kernels_attention,
+    kernels_elementwise,
+    kernels_matmul,
+    kernels_norm,
+)
+from llamir_vulkan.lowering import KERNELS, Lowering
+from llamir_vulkan.runtime import Gpu, Instance, PhysicalInfo, Recording, VulkanError
+from llamir_vulkan.shaders import ShaderCompiler, ShaderError
+
+OFFLOAD_BATCH = 32
+MAX_RECORDINGS = 64
+VIEWS = (ops.View, ops.Reshape, ops.Permute, ops.Transpose)
+
+
+class VulkanBuffer(Buffer):
+    """A VkBuffer in device memory. The host reaches it only through set/get bytes (in place
+    through the mapping where the memory is host-visible, else through a staging buffer)."""
+
+    def __init__(self, buft: VulkanBufferType, size: int, usage: BufferUsage):
+        super().__init__(buft, size, usage)
+        self.gpu: Gpu = buft.device.gpu
+        self.memory = self.gpu.alloc(self.size)
+
+    def set_bytes(self, offset: int, data: np.ndarray) -> None:
+        self.check_range(offset, data.nbytes)
+        self.gpu.write(self.memory, offset, data)
+
+    def get_bytes(self, offset: int, nbytes: int) -> np.ndarray:
+        self.check_range(offset, nbytes)
+        return self.gpu.read(self.memory, offset, nbytes)
+
+    def clear(self, value: int = 0) -> None:
+        self.gpu.fill(self.memory, value)
+
+    def copy_from(self, src: Buffer, src_offset: int, dst_offset: int, nbytes: int) -> bool:
+        if not isinstance(src, VulkanBuffer) or src.gpu is not self.gpu:
+            return False
+        src.check_range(src_offset, nbytes)
+        self.check_range(dst_offset, nbytes)
+        self.gpu.copy(src.memory, src_offset, self.memory, dst_offset, nbytes)
+        return True
+
+    def __del__(self):
+        memory = getattr(self, "memory", None)
+        if memory is not None and self.gpu.device is not None:
+            memory.free()
+
+
+class VulkanBufferType(BufferType):
+    def __init__(self, device: VulkanDevice):
+        super().__init__(device.name, device, alignment=max(device.info.min_storage_alignment, 64),
+                         is_host=False)
+
+    def alloc_buffer(self, size: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
+        return VulkanBuffer(self, size, usage)
+
+
+class VulkanDevice(Device):
+    """One physical device. Its logical device, shader compiler and buffer type are made on
+    first use, so listing devices costs no driver work."""
+
+    def __init__(self, index: int, info: PhysicalInfo, instance: Instance, unusable: str | None = None):
+        gone = info.missing()
+        unusable = unusable or (f"lacks {', '.join(gone)}" if gone else None)
+        # lavapipe reports itself as a CPU, but its memory is its own: a GPU to the scheduler
+        super().__init__(f"vulkan{index}", DeviceType.GPU,
+                         info.device_local_bytes, f"{info.name} ({info.type}, Vulkan "
+                         f"{'.'.join(map(str, info.api_version))})", caps=DeviceCaps(async_=False, events=False),
+                         alignment=max(info.min_storage_alignment, 64), unusable=unusable)
+        self.index, self.info, self.instance = index, info, instance
+        self._gpu: Gpu | None = None
+        self._compiler: ShaderCompiler | None = None
+        self._vk_buft: VulkanBufferType | None = None
+
+    @property
+    def gpu(self) -> Gpu:
+        if self.unusable:
+            raise BackendError(f"{self.name}: not usable: {self.unusable}")
+        if self._gpu is None:
+            import os
+
+            self._gpu = Gpu(self.instance, self.info, force_staging=os.environ.get("LLAMIR_VULKAN_STAGING", "")
+                            not in ("", "0"))
+        return self._gpu
+
+    @property
+    def compiler(self) -> ShaderCompiler:
+        if self._compiler is None:
+            self._compiler = ShaderCompiler()
+        return self._compiler
+
+    def buffer_type(self) -> BufferType:
+        if self._vk_buft is None:
+            self._vk_buft = VulkanBufferType(self)
+        return self._vk_buft
+
+
+def _fits(node, limit: int) -> bool:
+    """Whether every tensor of the node fits one storage-buffer binding (symbolic sizes are
+    checked when the graph is bound and lowered)."""
+    for v in (*node.inputs, node):
+        shape = v.type.shape
+        if all(isinstance(d, int) for d in shape) and \
+                int(np.prod(shape, dtype=np.int64)) * v.dtype.type_size // v.dtype.block_size > limit:
+            return False
+    return True
+
+
+class VulkanBackend(Backend):
+    """Runs splits as command buffers of shader dispatches on one Vulkan device."""
+
+    name = "vulkan"
+    cost_model = CostModel(tflops=0.05, mem_gbps=20.0, link_gbps=20.0, latency_us=50.0)
+
+    def __init__(self, device: VulkanDevice, offload_batch: int = OFFLOAD_BATCH):
+        super().__init__(device)
+        self.gpu = device.gpu
+        self.compiler = device.compiler
+        self.offload_batch = offload_batch
+        self._recordings: OrderedDict[tuple, tuple] = OrderedDict()
+        self.n_recorded = 0
+
+    # -- support ------------------------------------------------------------------------------------
+    def supports_op(self, node) -> bool:
+        if any(v.type.rank > 4 for v in (*node.inputs, node)):
+            return False
+        if node.is_op(*VIEWS):
+            return True
+        entry = KERNELS.get(type(node.op))
+        return entry is not None and entry.supports(node) and _fits(node, self.gpu.info.max_storage_range)
+
+    def offload_op(self, node) -> bool:
+        return op_batch_size(node) >= self.offload_batch
+
+    # -- execution ----------------------------------------------------------------------------------
+    def lower(self, work) -> Lowering:
+        k = Lowering(self.gpu, self.compiler)
+        for node, srcs, dst in work:
+            entry = KERNELS.get(type(node.op))
+            if entry is None:
+                raise BackendError(f"vulkan: no kernel for {node.op.name}")
+            entry.lower(k, node, srcs, dst)
+        return k
+
+    def _recording(self, work) -> Recording:
+        """The command buffer of `work` (nodes with their tensors): replayed when the same nodes
+        run over the same memory again, else recorded."""
+        key = tuple((id(node), *((id(td.buffer), td.offset, td.shape, td.strides) for td in (*srcs, dst)))
+                    for node, srcs, dst in work)
+        hit = self._recordings.get(key)
+        if hit is not None:
+            self._recordings.move_to_end(key)
+            return hit[0]
+        k = self.lower(work)
+        params, offsets = _pack_params(k.dispatches, self.gpu.info.min_storage_alignment)
+        rec = Recording(self.gpu, k.dispatches, params, offsets)
+        self.n_recorded += 1
+        # the entry holds the nodes and buffers its ids name, so none is freed while it lives
+        pins = [(node, *(td.buffer for td in (*srcs, dst))) for node, srcs, dst in work]
+        self._recordings[key] = (rec, pins)
+        while len(self._recordings) > MAX_RECORDINGS:
+            _, (old, _) = self._recordings.popitem(last=False)
+            old.free()
+        return rec
+
+    def run(self, work, observe=None, read=None) -> bool:
+        """Compute `work`: one submit, or one per node when `observe` watches each result."""
+        if observe is None:
+            if work:
+                self._recording(work).submit()
+            return True
+        for item in work:
+            self._recording([item]).submit()
+            node = item[0]
+            if node.name and observe(node, read(node)) is False:
+                return False
+        return True
+
+    def graph_compute(self, run, memory, observe=None) -> bool:
+        self.stats.n_graph_computes += 1
+        work = [(node, [memory.tensor(ref) for ref in run.inputs_of(node)], memory.tensor(node))
+                for node in run.nodes if not node.op.is_view]
+        return self.run(work, observe, lambda node: memory.read(self, node))
+
+    def compile(self, graph):
+        """A whole graph (test-backend-ops): leaves copied into device buffers, every node run
+        there, outputs read back."""
+        return _CompiledGraph(self, graph)
+
+    def close(self) -> None:
+        for rec, _ in self._recordings.values():
+            rec.free()
+        self._recordings.clear()
+
+
+def _pack_params(dispatches, alignment: int) -> tuple[np.ndarray, list[int]]:
+    """Every dispatch's params block in one buffer, each at an aligned byte offset."""
+    words, offsets = [], []
+    step = max(alignment // 4, 1)
+    for d in dispatches:
+        pad = -len(words) % step
+        words.extend([0] * pad)
+        offsets.append(len(words) * 4)
+        words.extend(int(w) for w in d.params)
+    return np.array(words or [0], dtype=np.uint32), offsets
+
+
+class _CompiledGraph:
+    """A whole graph on the device, per binding of its dims. Buffers for its leaves and values
+    are allocated on the first call and kept, so later calls replay the same command buffer."""
+
+    def __init__(self, backend: VulkanBackend, graph):
+        unsupported = backend.unsupported(graph)
+        if unsupported:
+            raise BackendError(f"backend vulkan cannot run: {', '.join(sorted({n.op.name for n in unsupported}))}")
+        self.backend, self.graph = backend, graph
+        self.buft = backend.device.buffer_type()
+        self.bound: dict[tuple, tuple] = {}
+
+    def _alloc(self, node) -> TensorData:
+        shape = geometry.storage_shape(tuple(int(d) for d in node.type.shape), node.dtype)
+        dtype = geometry.storage_dtype(node.dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buf = self.buft.alloc_buffer(max(nbytes, 4))
+        strides = geometry.storage_strides(node, tuple(int(s) for s in node.type.contiguous_strides()))
+        return TensorData(buf, 0, shape, dtype, strides, nbytes)
+
+    def _layout(self, graph) -> dict[int, TensorData]:
+        tensors: dict[int, TensorData] = {}
+        cache: dict[int, tuple[int, ...]] = {}
+        for node in [*graph.leafs, *graph.nodes]:
+            if node.is_leaf or not geometry.is_view_like(node):
+                tensors[id(node)] = self._alloc(node)
+                continue
+            root = tensors[id(geometry.view_root(node))]
+            dtype = geometry.storage_dtype(node.dtype)
+            strides = geometry.value_strides(node, cache)
+            tensors[id(node)] = TensorData(
+                root.buffer, root.offset + geometry.view_offset(node),
+                geometry.storage_shape(tuple(int(d) for d in node.type.shape), node.dtype), dtype,
+                geometry.storage_strides(node, strides), geometry.ggml_nbytes(node, strides))
+        return tensors
+
+    def __call__(self, leaf_values, bindings, observe=None):
+        key = tuple(sorted(bindings.items()))
+        if key not in self.bound:
+            graph = bind_dims(self.graph, dict(bindings)) if bindings else self.graph
+            self.bound[key] = (graph, self._layout(graph))
+        graph, t = self.bound[key]
+        for leaf in graph.leafs:
+            t[id(leaf)].write(np.ascontiguousarray(leaf_values[leaf.name]))
+        work = [(node, [t[id(i)] for i in node.inputs], t[id(node)])
+                for node in graph.nodes if not node.op.is_view]
+        self.backend.run(work, observe, lambda node: t[id(node)].read())
+        for leaf in graph.leafs_of_kind("state"):  # written in place (set_rows): back to the caller
+            np.copyto(leaf_values[leaf.name], t[id(leaf)].read())
+        return {name: t[id(node)].read() for name, node in graph.outputs.items()}
+
+
+def describe_error(err: Exception) -> str:
+    if isinstance(err, VulkanError | ShaderError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"

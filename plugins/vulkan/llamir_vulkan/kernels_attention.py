@@ -1,0 +1,1 @@
+"""attention kernels (being written)."""

@@ -1,0 +1,95 @@
+"""GLSL compute shaders, generated as variants of templates and compiled by glslc.
+
+A template is `shaders/<name>.comp`; a variant is the template with `-D` defines (the element
+types, the op, the workgroup size), as ggml-vulkan's vulkan-shaders-gen generates its shaders.
+Every template includes `common.glsl` (the Tensor descriptor and indexing helpers) and may
+include other `.glsl` files (the dequantizers). SPIR-V is cached on disk by a hash of the
+sources, the defines and glslc's version, so a variant is compiled once per machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+SHADER_DIR = Path(__file__).with_name("shaders")
+
+
+class ShaderError(RuntimeError):
+    """glslc is missing, or a shader variant does not compile (the message has glslc's output)."""
+
+
+def find_glslc() -> str:
+    """The glslc to compile with (LLAMIR_GLSLC, else the one on PATH); ShaderError if none."""
+    path = os.environ.get("LLAMIR_GLSLC") or shutil.which("glslc")
+    if not path:
+        raise ShaderError("glslc is not installed (apt-get install glslc, or set LLAMIR_GLSLC)")
+    return path
+
+
+@functools.cache
+def glslc_version(glslc: str) -> str:
+    out = subprocess.run([glslc, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLAMIR_VULKAN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llamir", "vulkan")
+    return Path(root)
+
+
+@functools.cache
+def _sources() -> str:
+    """Every template and include, so a change to any of them changes every hash."""
+    return "".join(f"// {p.name}\n{p.read_text()}" for p in sorted(SHADER_DIR.glob("*.*")))
+
+
+class ShaderCompiler:
+    """Compiles template variants to SPIR-V (memoized, and cached on disk)."""
+
+    def __init__(self, glslc: str | None = None, target: str = "vulkan1.2"):
+        self.glslc = glslc or find_glslc()
+        self.target = target
+        self.n_compiled = 0
+        self._memo: dict[tuple, bytes] = {}
+
+    def key(self, name: str, defines: dict[str, object]) -> str:
+        flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
+        text = f"{glslc_version(self.glslc)}\n{self.target}\n{name}\n{flags}\n{_sources()}"
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def spirv(self, name: str, defines: dict[str, object]) -> bytes:
+        memo_key = (name, tuple(sorted(defines.items())))
+        hit = self._memo.get(memo_key)
+        if hit is not None:
+            return hit
+        path = cache_dir() / f"{name}-{self.key(name, defines)}.spv"
+        if path.exists():
+            code = path.read_bytes()
+        else:
+            code = self._compile(name, defines)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(code)
+            os.replace(tmp, path)
+        self._memo[memo_key] = code
+        return code
+
+    def _compile(self, name: str, defines: dict[str, object]) -> bytes:
+        src = SHADER_DIR / f"{name}.comp"
+        if not src.exists():
+            raise ShaderError(f"no shader template {src.name}")
+        cmd = [self.glslc, "-fshader-stage=compute", f"--target-env={self.target}", "-O", "-I", str(SHADER_DIR)]
+        cmd += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+        cmd += [str(src), "-o", "-"]
+        out = subprocess.run(cmd, capture_output=True, check=False)
+        if out.returncode != 0:
+            flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
+            raise ShaderError(f"glslc failed on {src.name} ({flags}):\n{out.stderr.decode(errors='replace')}")
+        self.n_compiled += 1
+        return out.stdout
