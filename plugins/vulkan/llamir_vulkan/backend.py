@@ -119,10 +119,10 @@ class VulkanDevice(Device):
         return self._vk_buft
 
 
-def _fits(node, limit: int) -> bool:
+def _fits(node, limit: int, skip_src0: bool) -> bool:
     """Whether every tensor of the node fits one storage-buffer binding (symbolic sizes are
     checked when the graph is bound and lowered)."""
-    for v in (*node.inputs, node):
+    for v in (*node.inputs[int(skip_src0):], node):
         shape = v.type.shape
         if all(isinstance(d, int) for d in shape) and \
                 int(np.prod(shape, dtype=np.int64)) * v.dtype.type_size // v.dtype.block_size > limit:
@@ -151,7 +151,8 @@ class VulkanBackend(Backend):
         if node.is_op(*VIEWS):
             return True
         entry = KERNELS.get(type(node.op))
-        return entry is not None and entry.supports(node) and _fits(node, self.gpu.info.max_storage_range)
+        return entry is not None and entry.supports(node) and \
+            _fits(node, self.gpu.info.max_storage_range, entry.splits_src0)
 
     def offload_op(self, node) -> bool:
         return op_batch_size(node) >= self.offload_batch

@@ -154,17 +154,20 @@ Predicate = Callable[[Node], bool]
 class Entry:
     lower: Kernel
     supports: Predicate
+    splits_src0: bool  # the kernel splits a src0 larger than one binding into row chunks
 
 
 KERNELS: dict[type, Entry] = {}
 
 
-def kernel(*op_classes: type, supports: Predicate = lambda node: True):
-    """Register a kernel for op classes, with the predicate saying which nodes it runs."""
+def kernel(*op_classes: type, supports: Predicate = lambda node: True, splits_src0: bool = False):
+    """Register a kernel for op classes, with the predicate saying which nodes it runs.
+    `splits_src0`: src0 may exceed maxStorageBufferRange (the kernel binds it in row chunks);
+    every other tensor of the node must fit one binding."""
 
     def register(fn: Kernel) -> Kernel:
         for cls in op_classes:
-            KERNELS[cls] = Entry(fn, supports)
+            KERNELS[cls] = Entry(fn, supports, splits_src0)
         return fn
 
     return register

@@ -42,6 +42,13 @@ def validation_requested() -> bool:
     return os.environ.get("LLAMIR_VULKAN_VALIDATE", "") not in ("", "0")
 
 
+def _binding_limit() -> int:
+    """LLAMIR_VULKAN_MAX_BINDING: a smaller storage-buffer range than the device's, so tests can
+    exercise the kernels that split a large tensor across bindings."""
+    value = os.environ.get("LLAMIR_VULKAN_MAX_BINDING", "")
+    return int(value) if value else 1 << 62
+
+
 @dataclass
 class PhysicalInfo:
     """What a physical device is and offers: ggml_vk_device's facts."""
@@ -153,7 +160,7 @@ class Instance:
             if not isinstance(props.deviceName, str) else props.deviceName,
             type=kinds.get(props.deviceType, "other"),
             api_version=(v >> 22, (v >> 12) & 0x3FF, v & 0xFFF),
-            max_storage_range=int(limits.maxStorageBufferRange),
+            max_storage_range=min(int(limits.maxStorageBufferRange), _binding_limit()),
             min_storage_alignment=int(limits.minStorageBufferOffsetAlignment),
             max_workgroups=tuple(int(n) for n in limits.maxComputeWorkGroupCount),
             max_invocations=int(limits.maxComputeWorkGroupInvocations),
