@@ -9,13 +9,22 @@
 from __future__ import annotations
 
 import difflib
+import os
 import pathlib
+import tempfile
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+
+# The Vulkan plugin runs under the Khronos validation layer for the whole suite (its instance is
+# made once per process, so this must hold before any test lists the backends); the loader wants
+# a runtime directory.
+os.environ.setdefault("LLAMIR_VULKAN_VALIDATE", "1")
+if not os.environ.get("XDG_RUNTIME_DIR"):
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llamir-xdg-")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from llamir.backends import Backend, BackendError, get_backend
-from llamir.backends.registry import backend_from_spec
+from llamir.backends import Backend, BackendError, DeviceType, get_backend
+from llamir.backends.registry import backend_from_spec, get_registry
 from llamir.context import state
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
 from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
@@ -42,6 +42,19 @@ class AbortedError(RuntimeError):
     """Raised inside a compute when the abort callback asks to stop."""
 
 
+def _device_first(backend: str | Backend, devices: Sequence[str | Backend], placement: PlacementParams | None):
+    """backend= naming a device (e.g. "vulkan", "vulkan:1", or a device backend): the model runs
+    there, every layer offloaded unless `placement` says otherwise, with the CPU (llvm) for what
+    the device does not run, as llama.cpp runs on a GPU by default. A CPU backend stays as it is."""
+    if isinstance(backend, str):
+        if get_registry(backend.split(":")[0]).devices()[0].type == DeviceType.CPU:
+            return backend, devices, placement
+        backend = backend_from_spec(backend)
+    if backend.is_cpu:
+        return backend, devices, placement
+    return "llvm", [backend, *devices], placement or PlacementParams(n_gpu_layers=99)
+
+
 def _cpu_backend(backend: str | Backend, numerics: Numerics | str | None, n_threads: int) -> Backend:
     """The context's CPU backend: made by name with the profile and thread count asked for, or the
     instance given, which keeps its own thread count unless one was asked for."""
@@ -69,7 +82,8 @@ class Context:
     def __init__(self, model: Model, params: ContextParams | None = None, *, backend: str | Backend = "llvm",
                  numerics: Numerics | str | None = None, devices: Sequence[str | Backend] = (),
                  placement: PlacementParams | None = None, **kwargs):
-        """`backend` runs on the CPU (a name or an instance); `numerics` is the ggml build whose
+        """`backend` runs on the CPU (a name or an instance), or names a device ("vulkan") that
+        gets every layer, with the LLVM CPU backend for the rest; `numerics` is the ggml build whose
         arithmetic it reproduces (llamir.ir.numerics; default: the backend's, which is the host's);
         `devices` (specs like "sim:gpu0:mem=2GiB" or backends) come first in the scheduler's
         priority order, with the model placed on them by `placement` (n_gpu_layers, split_mode,
@@ -80,6 +94,7 @@ class Context:
         self.model = model
         self.params = params if params is not None else ContextParams(**kwargs)
         self.cparams: CParams = resolve(self.params, model.hparams)
+        backend, devices, placement = _device_first(backend, devices, placement)
         self.backend = _cpu_backend(backend, numerics, self.cparams.n_threads)
         self.cparams = replace(self.cparams, n_threads=getattr(self.backend, "n_threads", self.cparams.n_threads))
         device_backends = [backend_from_spec(d) if isinstance(d, str) else d for d in devices]

@@ -89,7 +89,7 @@ class VulkanDevice(Device):
         # lavapipe reports itself as a CPU, but its memory is its own: a GPU to the scheduler
         super().__init__(f"vulkan{index}", DeviceType.GPU,
                          info.device_local_bytes, f"{info.name} ({info.type}, Vulkan "
-                         f"{'.'.join(map(str, info.api_version))})", caps=DeviceCaps(async_=False, events=False),
+                         f"{'.'.join(map(str, info.api_version))})", caps=DeviceCaps(async_=True, events=True),
                          alignment=max(info.min_storage_alignment, 64), unusable=unusable)
         self.index, self.info, self.instance = index, info, instance
         self._gpu: Gpu | None = None
@@ -191,8 +191,8 @@ class VulkanBackend(Backend):
     def run(self, work, observe=None, read=None) -> bool:
         """Compute `work`: one submit, or one per node when `observe` watches each result."""
         if observe is None:
-            if work:
-                self._recording(work).submit()
+            if work:  # asynchronous: the next host access to this GPU's memory waits for it
+                self._recording(work).submit(wait=False)
             return True
         for item in work:
             self._recording([item]).submit()
@@ -211,6 +211,10 @@ class VulkanBackend(Backend):
         """A whole graph (test-backend-ops): leaves copied into device buffers, every node run
         there, outputs read back."""
         return _CompiledGraph(self, graph)
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self.gpu.wait()
 
     def close(self) -> None:
         for rec, _ in self._recordings.values():

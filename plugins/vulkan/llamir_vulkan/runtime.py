@@ -12,6 +12,7 @@ when asked for (LLAMIR_VULKAN_VALIDATE=1), whose messages are collected and can 
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from dataclasses import dataclass, field
@@ -253,12 +254,19 @@ class Gpu:
         self.pool = vk.vkCreateCommandPool(self.device, vk.VkCommandPoolCreateInfo(
             flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=info.queue_family), None)
         self.fence = vk.vkCreateFence(self.device, vk.VkFenceCreateInfo(), None)
-        self.pipeline_cache = vk.vkCreatePipelineCache(self.device, vk.VkPipelineCacheCreateInfo(), None)
+        self.pipeline_cache = self._load_pipeline_cache()
         self.pipelines: dict[tuple, Pipeline] = {}
         self._staging: Memory | None = None
         self._transfer = self.command_buffer()
         self.lock = threading.RLock()
+        self._in_flight = False
         self.n_submits = 0
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        if self.device is not None and self.pipelines:
+            self.wait()
+            self.save_pipeline_cache()
 
     # -- memory ----------------------------------------------------------------------------------
     def memory_type(self, bits: int, host_visible: bool) -> tuple[int, int]:
@@ -290,6 +298,7 @@ class Gpu:
     # -- transfers ---------------------------------------------------------------------------------
     def write(self, mem: Memory, offset: int, data: np.ndarray) -> None:
         raw = data.reshape(-1).view(np.uint8)
+        self.wait()  # a dispatch in flight may still read these bytes
         if mem.host is not None:
             mem.host[offset: offset + raw.size] = raw
             return
@@ -299,6 +308,7 @@ class Gpu:
             self.copy(stage, 0, mem, offset, raw.size)
 
     def read(self, mem: Memory, offset: int, nbytes: int) -> np.ndarray:
+        self.wait()  # a dispatch in flight may still write these bytes
         if mem.host is not None:
             return mem.host[offset: offset + nbytes].copy()
         with self.lock:
@@ -337,6 +347,36 @@ class Gpu:
             self.submit(cb)
 
     # -- pipelines -------------------------------------------------------------------------------
+    def _pipeline_cache_path(self):
+        from llamir_vulkan.shaders import cache_dir
+
+        safe = "".join(c if c.isalnum() else "_" for c in self.info.name)
+        return cache_dir() / f"pipelines-{safe}.bin"
+
+    def _load_pipeline_cache(self):
+        """A VkPipelineCache seeded from the last run's data (drivers that compile pipelines to
+        machine code keep it there; the driver ignores data that is not its own)."""
+        vk = self.vk
+        path = self._pipeline_cache_path()
+        data = path.read_bytes() if path.exists() else b""
+        info = vk.VkPipelineCacheCreateInfo(initialDataSize=len(data), pInitialData=data) if data else \
+            vk.VkPipelineCacheCreateInfo()
+        return vk.vkCreatePipelineCache(self.device, info, None)
+
+    def save_pipeline_cache(self) -> None:
+        vk, ffi = self.vk, self.vk.ffi
+        n = ffi.new("size_t*")
+        if vk.lib.vkGetPipelineCacheData(self.device, self.pipeline_cache, n, ffi.NULL) != vk.VK_SUCCESS:
+            return
+        data = ffi.new("char[]", n[0])
+        if vk.lib.vkGetPipelineCacheData(self.device, self.pipeline_cache, n, data) != vk.VK_SUCCESS:
+            return
+        path = self._pipeline_cache_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(bytes(ffi.buffer(data, n[0])))
+        os.replace(tmp, path)
+
     def pipeline(self, name: str, spirv: bytes, n_bindings: int) -> Pipeline:
         """The compute pipeline of a SPIR-V module (cached by its code): binding 0 is the params
         buffer, bindings 1..n-1 the tensors, all storage buffers."""
@@ -364,20 +404,34 @@ class Gpu:
         return vk.vkAllocateCommandBuffers(self.device, vk.VkCommandBufferAllocateInfo(
             commandPool=self.pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
 
-    def submit(self, cb) -> None:
-        """Submit a command buffer and wait for it (the fence)."""
+    def submit(self, cb, wait: bool = True) -> None:
+        """Submit a command buffer, signalling the fence; wait for it unless `wait` is False
+        (then the next submit, transfer or `wait()` does: one submission is in flight at most)."""
         vk = self.vk
         with self.lock:
+            self.wait()
             vk.vkQueueSubmit(self.queue, 1, [vk.VkSubmitInfo(pCommandBuffers=[cb])], self.fence)
-            vk.vkWaitForFences(self.device, 1, [self.fence], vk.VK_TRUE, UINT64_MAX)
-            vk.vkResetFences(self.device, 1, [self.fence])
+            self._in_flight = True
             self.n_submits += 1
+            if wait:
+                self.wait()
+
+    def wait(self) -> None:
+        """Wait for the submission in flight, if any (vkWaitForFences)."""
+        vk = self.vk
+        with self.lock:
+            if self._in_flight:
+                vk.vkWaitForFences(self.device, 1, [self.fence], vk.VK_TRUE, UINT64_MAX)
+                vk.vkResetFences(self.device, 1, [self.fence])
+                self._in_flight = False
 
     def close(self) -> None:
         vk, dev = self.vk, self.device
         if dev is None:
             return
         vk.vkDeviceWaitIdle(dev)
+        if self.pipelines:
+            self.save_pipeline_cache()
         if self._staging is not None:
             self._staging.free()
         for p in self.pipelines.values():
@@ -449,13 +503,14 @@ class Recording:
                                | vk.VK_ACCESS_SHADER_READ_BIT)], 0, None, 0, None)
         vk.vkEndCommandBuffer(self.cb)
 
-    def submit(self) -> None:
-        self.gpu.submit(self.cb)
+    def submit(self, wait: bool = True) -> None:
+        self.gpu.submit(self.cb, wait)
 
     def free(self) -> None:
         vk, gpu = self.gpu.vk, self.gpu
         if self.cb is None or gpu.device is None:
             return
+        gpu.wait()
         vk.vkFreeCommandBuffers(gpu.device, gpu.pool, 1, [self.cb])
         vk.vkDestroyDescriptorPool(gpu.device, self.pool, None)
         self.params.free()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,7 +26,12 @@ class ShaderError(RuntimeError):
 
 def find_glslc() -> str:
     """The glslc to compile with (LLAMIR_GLSLC, else the one on PATH); ShaderError if none."""
-    path = os.environ.get("LLAMIR_GLSLC") or shutil.which("glslc")
+    path = os.environ.get("LLAMIR_GLSLC")
+    if path:
+        if not os.access(path, os.X_OK):
+            raise ShaderError(f"LLAMIR_GLSLC={path} is not an executable glslc")
+        return path
+    path = shutil.which("glslc")
     if not path:
         raise ShaderError("glslc is not installed (apt-get install glslc, or set LLAMIR_GLSLC)")
     return path
@@ -43,10 +49,25 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-@functools.cache
-def _sources() -> str:
-    """Every template and include, so a change to any of them changes every hash."""
-    return "".join(f"// {p.name}\n{p.read_text()}" for p in sorted(SHADER_DIR.glob("*.*")))
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _sources(name: str) -> str:
+    """A template's text with every file it includes (recursively), so a change to any of them
+    changes the variant's hash, and a change elsewhere does not."""
+    seen: list[str] = []
+
+    def visit(file: str) -> None:
+        if file in seen:
+            return
+        seen.append(file)
+        path = SHADER_DIR / file
+        if path.exists():
+            for inc in INCLUDE.findall(path.read_text()):
+                visit(inc)
+
+    visit(f"{name}.comp")
+    return "".join(f"// {f}\n{(SHADER_DIR / f).read_text() if (SHADER_DIR / f).exists() else ''}" for f in seen)
 
 
 class ShaderCompiler:
@@ -60,7 +81,7 @@ class ShaderCompiler:
 
     def key(self, name: str, defines: dict[str, object]) -> str:
         flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
-        text = f"{glslc_version(self.glslc)}\n{self.target}\n{name}\n{flags}\n{_sources()}"
+        text = f"{glslc_version(self.glslc)}\n{self.target}\n{name}\n{flags}\n{_sources(name)}"
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def spirv(self, name: str, defines: dict[str, object]) -> bytes:
