@@ -109,6 +109,9 @@ class Instance:
         try:
             self.handle = vk.vkCreateInstance(vk.VkInstanceCreateInfo(
                 pApplicationInfo=app, ppEnabledLayerNames=layers, ppEnabledExtensionNames=extensions), None)
+        except vk.VkErrorIncompatibleDriver as err:
+            raise VulkanError("no Vulkan driver (vkCreateInstance: VK_ERROR_INCOMPATIBLE_DRIVER); install one, "
+                              "e.g. mesa-vulkan-drivers for lavapipe") from err
         except vk.VkError as err:
             raise VulkanError(f"vkCreateInstance failed: {type(err).__name__}") from err
         self._messenger = None
@@ -359,8 +362,10 @@ class Gpu:
         vk = self.vk
         path = self._pipeline_cache_path()
         data = path.read_bytes() if path.exists() else b""
-        info = vk.VkPipelineCacheCreateInfo(initialDataSize=len(data), pInitialData=data) if data else \
-            vk.VkPipelineCacheCreateInfo()
+        if data:
+            info = vk.VkPipelineCacheCreateInfo(initialDataSize=len(data), pInitialData=vk.ffi.from_buffer(data))
+        else:
+            info = vk.VkPipelineCacheCreateInfo()
         return vk.vkCreatePipelineCache(self.device, info, None)
 
     def save_pipeline_cache(self) -> None:
