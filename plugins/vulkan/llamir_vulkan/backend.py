@@ -73,7 +73,7 @@ class VulkanBuffer(Buffer):
 class VulkanBufferType(BufferType):
     def __init__(self, device: VulkanDevice):
         super().__init__(device.name, device, alignment=max(device.info.min_storage_alignment, 64),
-                         is_host=False)
+                         max_size=device.info.max_allocation, is_host=False)
 
     def alloc_buffer(self, size: int, usage: BufferUsage = BufferUsage.ANY) -> Buffer:
         return VulkanBuffer(self, size, usage)

@@ -65,6 +65,7 @@ class PhysicalInfo:
     max_invocations: int
     shared_memory: int
     subgroup_size: int
+    max_allocation: int  # maxMemoryAllocationSize: the largest buffer
     memory_types: list[tuple[int, int]]  # (property flags, heap index)
     heap_sizes: list[int]
     heap_device_local: list[bool]
@@ -154,7 +155,8 @@ class Instance:
         feats = vk.VkPhysicalDeviceFeatures2(pNext=f12)
         vk.vkGetPhysicalDeviceFeatures2(pd, feats)
         sub = vk.VkPhysicalDeviceSubgroupProperties()
-        vk.vkGetPhysicalDeviceProperties2(pd, vk.VkPhysicalDeviceProperties2(pNext=sub))
+        m3 = vk.VkPhysicalDeviceMaintenance3Properties(pNext=sub)
+        vk.vkGetPhysicalDeviceProperties2(pd, vk.VkPhysicalDeviceProperties2(pNext=m3))
         kinds = {vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete GPU", vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU:
                  "integrated GPU", vk.VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: "virtual GPU",
                  vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "CPU"}
@@ -170,6 +172,7 @@ class Instance:
             max_invocations=int(limits.maxComputeWorkGroupInvocations),
             shared_memory=int(limits.maxComputeSharedMemorySize),
             subgroup_size=int(sub.subgroupSize),
+            max_allocation=int(m3.maxMemoryAllocationSize),
             memory_types=[(int(mem.memoryTypes[i].propertyFlags), int(mem.memoryTypes[i].heapIndex))
                           for i in range(mem.memoryTypeCount)],
             heap_sizes=[int(mem.memoryHeaps[i].size) for i in range(mem.memoryHeapCount)],
