@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llamir.backends import BackendError, TensorData
-from llamir.ir import Node, TensorType
+from llamir.ir import Node, TensorType, geometry
 
 MAX_GROUPS = 65535
 
@@ -46,9 +46,9 @@ class Dispatch:
 
 
 def unit_of(ttype: TensorType) -> int:
-    """The element a shader indexes a tensor by: its item size for floats and ints, a byte for
-    quantized rows."""
-    return 1 if ttype.dtype.is_quantized else int(ttype.dtype.np_dtype.itemsize)
+    """The element a shader indexes a tensor by: its item size for floats and ints (bf16: 2
+    bytes, read as uint16), a byte for quantized rows."""
+    return 1 if ttype.dtype.is_quantized else int(geometry.storage_dtype(ttype.dtype).itemsize)
 
 
 def groups_for(n_groups: int) -> tuple[int, int, int]:
