@@ -200,7 +200,7 @@ def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe
     key = (id(run.plan), run.split.index)
     if key not in memory.compiled:
         memory.compiled[key] = _split_graph(backend, run)
-    executable, leaf_refs, out_nodes = memory.compiled[key]
+    executable, leaf_refs, out_nodes, needed = memory.compiled[key]
     values = {
         leaf.name: memory.value(ref)
         if (isinstance(ref, Node) and ref.is_leaf)
@@ -223,7 +223,7 @@ def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe
             else:
                 memory.store(node, results[name])
     for node in run.nodes:  # views of this split, recomputed over the stored values
-        if node.op.is_view and id(node) not in memory.values:
+        if node.op.is_view and id(node) in needed and id(node) not in memory.values:
             ref = run.inputs_of(node)[0]
             from llamir.ir import Interpreter
 
@@ -231,12 +231,26 @@ def compute_through_compile(backend, run: SplitRun, memory: SplitMemory, observe
     return not stopped
 
 
+def _needed_views(run: SplitRun) -> set[int]:
+    """The views among a split's nodes that its computed nodes read (directly or through other
+    views). A split's node range also holds views of other backends' values, which ggml leaves
+    alone: reading them here would pull device memory into the host."""
+    needed: set[int] = set()
+    for node in reversed(run.nodes):
+        if not node.op.is_view or id(node) in needed:
+            needed.update(id(ref) for ref in run.inputs_of(node))
+    return {id(n) for n in run.nodes if n.op.is_view and id(n) in needed}
+
+
 def _split_graph(backend, run: SplitRun):
     plan = run.plan
     g = Graph(f"{plan.graph.name}.split{run.split.index}")
     mapping: dict[int, Node] = {}
     leaf_refs, out_nodes = [], []
+    needed = _needed_views(run)
     for node in run.nodes:
+        if node.op.is_view and id(node) not in needed:
+            continue
         inputs = []
         for ref in run.inputs_of(node):
             if id(ref) not in mapping:
@@ -253,7 +267,7 @@ def _split_graph(backend, run: SplitRun):
             name = f"n{plan.ids[id(node)]}"
             g.set_output(name, mapping[id(node)])
             out_nodes.append((name, node))
-    return backend.compile(g), leaf_refs, out_nodes
+    return backend.compile(g), leaf_refs, out_nodes, needed
 
 
 def execute(

@@ -158,7 +158,8 @@ def test_backend_vulkan_in_context_and_flash_attention(vulkan, model):
     _, want = _logits(model)
     for fa in ("off", "on"):
         ctx, got = _logits(model, backend="vulkan", flash_attn=fa)
-        assert ctx.runner.placement.layer_device == ["vulkan0"] * 3
+        (cg,) = ctx.runner.graphs.values()
+        assert cg.placement.layer_device == ["vulkan0"] * 3
         for g, w in zip(got, want, strict=True):
             assert _nmse(g, w) < MODEL_NMSE, fa
 
@@ -204,16 +205,19 @@ def test_state_save_and_load_through_device_memory(vulkan, model):
 
 
 def test_shader_cache_compiles_each_variant_once(tmp_path, monkeypatch):
+    from llamir_vulkan.kernels_elementwise import storage
     from llamir_vulkan.shaders import ShaderCompiler, ShaderError
+
+    from llamir.ir import F16, F32
 
     monkeypatch.setenv("LLAMIR_VULKAN_CACHE", str(tmp_path))
     first = ShaderCompiler()
-    code = first.spirv("binary", {"OP": 0, "A_TYPE": "float", "B_TYPE": "float", "D_TYPE": "float"})
+    code = first.spirv("unary", {"OP_SILU": 1, **storage("A", F32), **storage("D", F32)})
     assert code[:4] == b"\x03\x02\x23\x07" and first.n_compiled == 1   # the SPIR-V magic number
     again = ShaderCompiler()
-    assert again.spirv("binary", {"OP": 0, "A_TYPE": "float", "B_TYPE": "float", "D_TYPE": "float"}) == code
+    assert again.spirv("unary", {"OP_SILU": 1, **storage("A", F32), **storage("D", F32)}) == code
     assert again.n_compiled == 0
-    again.spirv("binary", {"OP": 2, "A_TYPE": "float", "B_TYPE": "float", "D_TYPE": "float"})
+    again.spirv("unary", {"OP_SILU": 1, **storage("A", F16), **storage("D", F32)})
     assert again.n_compiled == 1
-    with pytest.raises(ShaderError, match="glslc failed on binary.comp"):
-        again.spirv("binary", {"OP": 0, "A_TYPE": "no_such_type", "B_TYPE": "float", "D_TYPE": "float"})
+    with pytest.raises(ShaderError, match="glslc failed on unary.comp"):
+        again.spirv("unary", {"OP_NO_SUCH_OP": 1, **storage("A", F32), **storage("D", F32)})

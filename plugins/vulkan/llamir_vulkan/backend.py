@@ -142,6 +142,7 @@ class VulkanBackend(Backend):
         self.compiler = device.compiler
         self.offload_batch = offload_batch
         self._recordings: OrderedDict[tuple, tuple] = OrderedDict()
+        self._scratch: Buffer | None = None
         self.n_recorded = 0
 
     # -- support ------------------------------------------------------------------------------------
@@ -159,7 +160,7 @@ class VulkanBackend(Backend):
 
     # -- execution ----------------------------------------------------------------------------------
     def lower(self, work) -> Lowering:
-        k = Lowering(self.gpu, self.compiler)
+        k = Lowering(self.gpu, self.compiler, self._scratch_tensor)
         for node, srcs, dst in work:
             entry = KERNELS.get(type(node.op))
             if entry is None:
@@ -181,12 +182,20 @@ class VulkanBackend(Backend):
         rec = Recording(self.gpu, k.dispatches, params, offsets)
         self.n_recorded += 1
         # the entry holds the nodes and buffers its ids name, so none is freed while it lives
-        pins = [(node, *(td.buffer for td in (*srcs, dst))) for node, srcs, dst in work]
+        pins = [(node, *(td.buffer for td in (*srcs, dst))) for node, srcs, dst in work] + k.pinned
         self._recordings[key] = (rec, pins)
         while len(self._recordings) > MAX_RECORDINGS:
             _, (old, _) = self._recordings.popitem(last=False)
             old.free()
         return rec
+
+    def _scratch_tensor(self, nbytes: int) -> TensorData:
+        """The backend's scratch buffer, grown (to a new buffer: recordings keep the old one
+        they use) when a kernel needs more."""
+        if self._scratch is None or self._scratch.size < nbytes:
+            size = max(int(nbytes), 2 * self._scratch.size if self._scratch is not None else 1 << 20)
+            self._scratch = self.device.buffer_type().alloc_buffer(size, BufferUsage.COMPUTE)
+        return TensorData(self._scratch, 0, (int(nbytes),), np.dtype(np.uint8), (1,), int(nbytes))
 
     def run(self, work, observe=None, read=None) -> bool:
         """Compute `work`: one submit, or one per node when `observe` watches each result."""

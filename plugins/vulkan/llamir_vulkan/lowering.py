@@ -87,10 +87,22 @@ class Params:
 class Lowering:
     """What kernels use to build their dispatches on one GPU."""
 
-    def __init__(self, gpu, compiler):
+    def __init__(self, gpu, compiler, scratch: Callable[[int], TensorData] | None = None):
         self.gpu, self.compiler = gpu, compiler
         self.info = gpu.info
         self.dispatches: list[Dispatch] = []
+        self._scratch = scratch
+        self.pinned: list = []  # buffers the dispatches use besides the nodes' own (scratch)
+
+    def scratch(self, nbytes: int) -> TensorData:
+        """`nbytes` of device memory for an intermediate a kernel makes and consumes itself (B
+        rounded to the weight's vec_dot type), like ggml-vulkan's prealloc buffers. The same
+        memory serves every kernel, one after another; the barriers keep them apart."""
+        if self._scratch is None:
+            raise BackendError("vulkan: this lowering has no scratch memory")
+        td = self._scratch(nbytes)
+        self.pinned.append(td.buffer)
+        return td
 
     # -- tensors -------------------------------------------------------------------------------
     def bind(self, td: TensorData, written: bool = False) -> Binding:
