@@ -80,6 +80,26 @@ def test_logits_are_the_cpus_bit_for_bit(example, model):
         np.testing.assert_array_equal(got, want)
 
 
+def test_partial_offload_with_op_offload_gives_the_cpus_logits(example, model):
+    """-ngl 1: the CPU's layers offload their big-batch matmuls to the device (op_offload), so a
+    CPU split's node range holds views of device values; the CPU must not read them."""
+    want = _logits_of(model, ())
+    ctx = llamir.Context(model, n_ctx=256, flash_attn="off", devices=["example"],
+                         placement=PlacementParams(n_gpu_layers=1))
+    got = _logits_of(model, ctx=ctx)
+    assert ctx.n_splits["pp"] > 2, ctx.n_splits
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def _logits_of(model, devices=(), ctx=None):
+    ctx = ctx or _ctx(model, devices)
+    assert ctx.decode(llamir.Batch.from_tokens(TOKENS, logits="all")) == 0, ctx.last_error
+    first = ctx.get_logits().copy()
+    assert ctx.decode(llamir.Batch.from_tokens([3], pos0=len(TOKENS))) == 0, ctx.last_error
+    return first, ctx.get_logits().copy()
+
+
 def test_a_generated_token_copies_only_the_split_boundary(example, model):
     ctx = _ctx(model, ("example",))
     device = ctx.runner.backends[0].device
