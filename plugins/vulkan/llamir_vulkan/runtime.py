@@ -478,13 +478,16 @@ class Recording:
             dstAccessMask=vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
             | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
         stages = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-        written: set = set()
+        touched: set = set()  # memory read or written since the last barrier
+        written: set = set()  # memory written since the last barrier
         for d, p_off in zip(dispatches, param_offsets, strict=True):
-            reads = {id(b.memory) for b in d.bindings}
-            if reads & written:  # a dependency on an earlier dispatch: make its writes visible
+            uses = {id(b.memory) for b in d.bindings}
+            writes = {id(b.memory) for b in d.bindings if b.written}
+            if uses & written or writes & touched:  # read after write, write after read or write
                 vk.vkCmdPipelineBarrier(self.cb, stages, stages, 0, 1, [barrier], 0, None, 0, None)
-                written = set()
-            written |= {id(b.memory) for b in d.bindings if b.written}
+                touched, written = set(), set()
+            touched |= uses
+            written |= writes
             if d.copy is not None:
                 src, src_off, dst, dst_off, n = d.copy
                 vk.vkCmdCopyBuffer(self.cb, src.buffer, dst.buffer, 1, [vk.VkBufferCopy(

@@ -1,7 +1,9 @@
 #version 450
 // dst = act(a) * b (ggml's swiglu, geglu, reglu, geglu_erf, geglu_quick), split (two tensors)
-// or fused (a and b the halves of one row; SWAPPED puts b first). Defines: OP, A_TYPE, D_TYPE.
+// or fused (a and b the halves of one row; `swapped` puts b first). Defines: OP_<the op's
+// name in upper case>, FUSED, A_TYPE/LOAD_A (a and b), D_TYPE/STORE_D (see cpy_types.glsl).
 #include "common.glsl"
+#include "cpy_types.glsl"
 
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor d; uint swapped; } p;
 layout(std430, binding = 1) readonly buffer A { A_TYPE data_a[]; };
@@ -46,11 +48,11 @@ void main() {
     uint half_ = p.d.ne0;
     uint ia = at(p.a, c.x + (p.swapped != 0 ? half_ : 0), c.y, c.z, c.w);
     uint ib = at(p.a, c.x + (p.swapped != 0 ? 0 : half_), c.y, c.z, c.w);
-    float x = float(data_a[ia]);
-    float g = float(data_b[ib]);
+    float x = LOAD_A(data_a[ia]);
+    float g = LOAD_A(data_b[ib]);
 #else
-    float x = float(data_a[at(p.a, c.x, c.y, c.z, c.w)]);
-    float g = float(data_b[at(p.b, c.x, c.y, c.z, c.w)]);
+    float x = LOAD_A(data_a[at(p.a, c.x, c.y, c.z, c.w)]);
+    float g = LOAD_A(data_b[at(p.b, c.x, c.y, c.z, c.w)]);
 #endif
-    data_d[at(p.d, c.x, c.y, c.z, c.w)] = D_TYPE(act(x) * g);
+    data_d[at(p.d, c.x, c.y, c.z, c.w)] = STORE_D(act(x) * g);
 }

@@ -1,8 +1,9 @@
 #version 450
-// dst = f(src) element-wise (ggml's unary ops, scale, clamp, fill), and cpy/cont when f is the
-// identity: a strided src read in dst's element order, converted to dst's type.
-// Defines: OP (the unary op's name in upper case, or COPY), A_TYPE, D_TYPE.
+// dst = f(src) element-wise (ggml's unary ops, scale, clamp, fill), src read from any strides
+// in dst's element order. Defines: OP_<the op's name in upper case>, A_TYPE/LOAD_A,
+// D_TYPE/STORE_D (see cpy_types.glsl).
 #include "common.glsl"
+#include "cpy_types.glsl"
 
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor d; float p0; float p1; } p;
 layout(std430, binding = 1) readonly buffer A { A_TYPE data_a[]; };
@@ -21,9 +22,7 @@ float erf_approx(float x) {
 }
 
 float f(float x) {
-#if defined(OP_COPY)
-    return x;
-#elif defined(OP_NEG)
+#if defined(OP_NEG)
     return -x;
 #elif defined(OP_ABS)
     return abs(x);
@@ -82,6 +81,5 @@ void main() {
         return;
     }
     uvec4 c = unravel(p.d, i);
-    uvec4 s = unravel(p.a, i);  // same element count; cont/cpy may reshape
-    data_d[at(p.d, c.x, c.y, c.z, c.w)] = D_TYPE(f(float(data_a[at(p.a, s.x, s.y, s.z, s.w)])));
+    data_d[at(p.d, c.x, c.y, c.z, c.w)] = STORE_D(f(LOAD_A(data_a[at(p.a, c.x, c.y, c.z, c.w)])));
 }

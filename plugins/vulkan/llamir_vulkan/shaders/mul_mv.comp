@@ -1,0 +1,124 @@
+#version 450
+// Matrix-vector product for one or a few columns of b (token generation): ggml's mul_mat with
+// ne11 <= NCOLS, and mul_mat_id (MUL_MAT_ID) per (token, slot). One workgroup per ROWS rows of a
+// and batch of d (per ROWS rows and (token, slot) pair for mul_mat_id): its threads stride over
+// k, four consecutive elements at a time (consecutive threads read consecutive bytes), each
+// keeping a partial sum per row and column, then reduce them in shared memory.
+// Defines: A_<TYPE>, A_UNIT, A_VEC4 (dequant.glsl), B_TYPE (float or float16_t), B_VEC4 (vec4
+// or f16vec4 when b's columns are contiguous and 4-element aligned), NCOLS (the columns of b; 1
+// with MUL_MAT_ID), ROWS, WG (a power of two), MUL_MAT_ID.
+// mul_mat_id's expert_base: the first expert in a's binding (a large src0 is bound in pieces;
+// pairs choosing an expert outside it are left to another dispatch).
+#include "common.glsl"
+#define A_BINDING 1
+#include "dequant.glsl"
+
+#ifdef MUL_MAT_ID
+layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor ids; Tensor d; uint expert_base; } p;
+layout(std430, binding = 3) readonly buffer Ids { int data_ids[]; };
+layout(std430, binding = 4) writeonly buffer D { float data_d[]; };
+#else
+layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor d; } p;
+layout(std430, binding = 3) writeonly buffer D { float data_d[]; };
+#endif
+layout(std430, binding = 2) readonly buffer B { B_TYPE data_b[]; };
+#ifdef B_VEC4
+layout(std430, binding = 2) readonly buffer B4 { B_VEC4 data_b4[]; };
+#endif
+
+shared float partial[ROWS * NCOLS * WG];
+
+// b's elements k..k+3 of the column starting at col.
+vec4 b4(uint col, uint k) {
+#ifdef B_VEC4
+    return vec4(data_b4[(col + k) / 4]);
+#else
+    uint s = p.b.nb0;
+    return vec4(float(data_b[col + k * s]), float(data_b[col + (k + 1) * s]), float(data_b[col + (k + 2) * s]),
+                float(data_b[col + (k + 3) * s]));
+#endif
+}
+
+void main() {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint M = p.a.ne1, K = p.a.ne0;
+    uint row_groups = (M + ROWS - 1) / ROWS;
+    uint g = group_id();
+    uint m0 = (g % row_groups) * ROWS;
+    g /= row_groups;
+    uint a_rows[ROWS], cols_b[NCOLS], cols_d[NCOLS];
+#ifdef MUL_MAT_ID
+    uint slot = g % p.ids.ne0, t = g / p.ids.ne0;
+    if (t >= p.ids.ne1) {
+        return;
+    }
+    uint e = uint(data_ids[at(p.ids, slot, t, 0, 0)]) - p.expert_base;
+    if (e >= p.a.ne2) {  // an expert another dispatch's binding holds
+        return;
+    }
+    uint a_base = at(p.a, 0, 0, e, 0);
+    cols_b[0] = at(p.b, 0, slot % p.b.ne1, t, 0);
+    cols_d[0] = at(p.d, 0, slot, t, 0);
+#else
+    uint i2 = g % p.d.ne2, i3 = g / p.d.ne2;
+    if (i3 >= p.d.ne3) {
+        return;
+    }
+    uint a_base = at(p.a, 0, 0, i2 / (p.b.ne2 / p.a.ne2), i3 / (p.b.ne3 / p.a.ne3));
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        cols_b[c] = at(p.b, 0, c, i2, i3);
+        cols_d[c] = at(p.d, 0, c, i2, i3);
+    }
+#endif
+    [[unroll]] for (uint r = 0; r < ROWS; r++) {
+        a_rows[r] = a_base + min(m0 + r, M - 1) * p.a.nb1;  // rows past M repeat the last, unwritten
+    }
+    float acc[ROWS][NCOLS];
+    [[unroll]] for (uint r = 0; r < ROWS; r++) {
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            acc[r][c] = 0.0;
+        }
+    }
+    for (uint k = 4 * tid; k + 4 <= K; k += 4 * WG) {
+        vec4 vb[NCOLS];
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            vb[c] = b4(cols_b[c], k);
+        }
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            vec4 va = dequant4(a_rows[r], k, p.a.nb0);
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                acc[r][c] += dot(va, vb[c]);
+            }
+        }
+    }
+#ifdef A_FLOAT
+    for (uint k = K / 4 * 4 + tid; k < K; k += WG) {  // a float row's tail
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            float va = dequant1(a_rows[r], k, p.a.nb0);
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                acc[r][c] += va * float(data_b[cols_b[c] + k * p.b.nb0]);
+            }
+        }
+    }
+#endif
+    [[unroll]] for (uint r = 0; r < ROWS; r++) {
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            partial[(r * NCOLS + c) * WG + tid] = acc[r][c];
+        }
+    }
+    barrier();
+    for (uint s = WG / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            [[unroll]] for (uint i = 0; i < ROWS * NCOLS; i++) {
+                partial[i * WG + tid] += partial[i * WG + tid + s];
+            }
+        }
+        barrier();
+    }
+    for (uint i = tid; i < ROWS * NCOLS; i += WG) {
+        uint r = i / NCOLS, c = i % NCOLS;
+        if (m0 + r < M) {
+            data_d[cols_d[c] + (m0 + r) * p.d.nb0] = partial[i * WG];
+        }
+    }
+}
