@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llamir.ir import BF16, F16, F32, Graph, GraphBuilder, Node, ops, quants
+from llamir.ir import BF16, F16, F32, Graph, GraphBuilder, Node, bind_dims, ops, quants
 from llamir.ir.dtypes import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, QUANT_DTYPES, DType
 from llamir.ir.interp_kernels import f32_to_bf16
 
@@ -65,8 +65,10 @@ class Case:
         return out
 
     def tested_nodes(self) -> list[Node]:
-        """The nodes a backend must support to run the case (views excepted)."""
-        return [n for n in self.graph.nodes if not n.op.is_view]
+        """The nodes a backend must support to run the case (views excepted), with the case's
+        dims bound: a backend is asked about the tensors it will run, as ggml asks."""
+        graph = bind_dims(self.graph, dict(self.bindings)) if self.bindings else self.graph
+        return [n for n in graph.nodes if not n.op.is_view]
 
 
 def store(x: np.ndarray, dtype: DType) -> np.ndarray:
