@@ -1,6 +1,6 @@
 """The tensor IR: dtypes, types, ops, graphs, text form, verifier and the numpy reference."""
 
-from llamir.ir import geometry, ops
+from llamir.ir import geometry, ggml_math, ops
 from llamir.ir.bind import bind_dims
 from llamir.ir.builder import GraphBuilder, layer_name
 from llamir.ir.dims import Dim, Sym, sym
@@ -30,6 +30,7 @@ from llamir.ir.dtypes import (
 )
 from llamir.ir.graph import Graph, Node
 from llamir.ir.interp import Interpreter, run_graph
+from llamir.ir.interp_nn import rope_corr_dims
 from llamir.ir.ops import IRError
 from llamir.ir.parser import ParseError, parse_graph
 from llamir.ir.printer import fingerprint, print_graph

@@ -11,9 +11,7 @@ import math
 
 import numpy as np
 
-from llamir.ir import ggml_math, ops
-from llamir.ir.dtypes import BF16
-from llamir.ir.interp_nn import rope_corr_dims
+from llamir.ir import BF16, ggml_math, ops, rope_corr_dims
 from llamir_vulkan import lowering
 from llamir_vulkan.lowering import Params, float_type, groups_for, is_float, kernel
 
