@@ -1,6 +1,6 @@
 """The tensor IR: dtypes, types, ops, graphs, text form, verifier and the numpy reference."""
 
-from llamir.ir import geometry, ggml_math, ops
+from llamir.ir import geometry, ggml_math, ops, quants
 from llamir.ir.bind import bind_dims
 from llamir.ir.builder import GraphBuilder, layer_name
 from llamir.ir.dims import Dim, Sym, sym
@@ -34,6 +34,7 @@ from llamir.ir.interp_nn import rope_corr_dims
 from llamir.ir.ops import IRError
 from llamir.ir.parser import ParseError, parse_graph
 from llamir.ir.printer import fingerprint, print_graph
+from llamir.ir.quants import vec_dot_type
 from llamir.ir.types import TensorType, parse_type
 from llamir.ir.verifier import VerifyError, verify
 

@@ -6,15 +6,23 @@ path, and the tiled one (mul_mm.comp) for batches of tokens, as ggml-vulkan does
 than one storage-buffer binding (maxStorageBufferRange) is bound in pieces: whole batch matrices
 when one fits, else row ranges of one matrix; each piece is one dispatch writing its slice of the
 result (views of b and d for the batches that piece serves, its columns of d).
+
+The products see b as ggml's CPU mul_mat does: converted to the weight's vec_dot_type first
+(llamir/ir/quants.py: q8_0 for q4_0 / q5_0 / q8_0, q8_1 for q4_1 / q5_1, q8_K for the K-quants,
+f16 for f16, bf16 for bf16; f32 stays f32). quantize_b.comp writes that conversion, bit for bit
+cpu_from_float's, into scratch memory, and the matrix shaders read it through mul_b.glsl; for
+q4_1 / q5_1 the block's min enters as m * s_b with the q8_1 block's stored s_b, as in
+ggml's vec_dot_q4_1_q8_1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from llamir.backends import BackendError, TensorData
-from llamir.ir import TensorType, ops
-from llamir.ir.dtypes import DType
+from llamir.ir import DType, TensorType, geometry, ops, vec_dot_type
 from llamir_vulkan.lowering import Params, float_type, groups_for, kernel, unit_of
 
 A_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
@@ -24,6 +32,8 @@ MV_WG = 64
 MV_ROWS = 4  # rows of a per mul_mv workgroup
 MV_MAX_COLS = 8  # b columns (tokens) up to which mul_mat takes the matrix-vector shader
 ROWS_WG = 256
+QUANTIZE_WG = 64
+SPLIT_MIN = ("q4_1", "q5_1")  # weights whose block min enters as m * s_b (b in q8_1)
 
 
 @dataclass(frozen=True)
@@ -109,15 +119,42 @@ def _vec4(k, t: _Tensor) -> bool:
 
 
 def _ab_defines(k, a: _Tensor, b: _Tensor | None = None) -> dict:
-    """The dequant.glsl defines of src0 (and B_TYPE / B_VEC4 for a matmul's b)."""
+    """The dequant.glsl defines of src0 (and, for a matmul, mul_b.glsl's of b and A_SPLIT_MIN)."""
     defines = {f"A_{a.dtype.name.upper()}": 1, "A_UNIT": unit_of(TensorType(a.shape, a.dtype))}
     if _vec4(k, a):
         defines["A_VEC4"] = 1
     if b is not None:
-        defines["B_TYPE"] = float_type(b.dtype)
+        defines[f"B_{b.dtype.name.upper()}"] = 1
         if _vec4(k, b):
             defines["B_VEC4"] = {"f32": "vec4", "f16": "f16vec4"}[b.dtype.name]
+        if a.dtype.name in SPLIT_MIN:
+            defines["A_SPLIT_MIN"] = 1
     return defines
+
+
+def _vec_dot_b(k, a_dtype: DType, b: _Tensor, name: str) -> _Tensor:
+    """b as the matrix shaders read it: in the weight's vec_dot_type, as ggml's CPU mul_mat
+    converts it. b itself when it already is (or the type is f32: an f16 b widens exactly), else
+    quantize_b's conversion into scratch memory, contiguous rows."""
+    vdt = vec_dot_type(a_dtype)
+    if vdt == b.dtype or vdt.name == "f32":
+        return b
+    *batch, n_k = b.shape
+    rows = int(np.prod(batch))
+    quantized = vdt.is_quantized
+    np_dtype = np.dtype(np.uint8) if quantized else geometry.storage_dtype(vdt)
+    row = vdt.row_bytes(n_k) if quantized else n_k * np_dtype.itemsize
+    strides = (batch[1] * batch[2] * row, batch[2] * row, row, np_dtype.itemsize)
+    scratch = k.scratch(rows * row)
+    td = TensorData(scratch.buffer, scratch.offset, (*batch, row if quantized else n_k), np_dtype, strides, rows * row)
+    q = _Tensor(vdt, td, b.shape, strides)
+    if quantized:
+        defines, threads = {f"QUANT_{vdt.name.upper()}": 1}, rows * (n_k // vdt.block_size)
+    else:
+        defines, threads = {f"QB_{vdt.name.upper()}": 1}, rows * n_k
+    defines.update({"A_TYPE": float_type(b.dtype), "LOAD_A": "float", "WG": QUANTIZE_WG})
+    k.dispatch("quantize_b", defines, [b.arg(), q.arg(True)], None, groups_for(_ceil(threads, QUANTIZE_WG)), name)
+    return q
 
 
 def _ceil(n: int, d: int) -> int:
@@ -132,13 +169,14 @@ def _mul_mat_ok(node) -> bool:
 @kernel(ops.MulMat, supports=_mul_mat_ok, splits_src0=True)
 def mul_mat(k, node, srcs, dst) -> None:
     """ggml_mul_mat: d[..., n, m] = sum_k a[..., m, k] * b[..., n, k], a's batches broadcast into
-    b's; b (f32 or f16, any strides) is used as f32. Up to MV_MAX_COLS columns of b: mul_mv, one
-    workgroup per MV_ROWS rows of a and batch; more: mul_mm, one workgroup per BM x BN tile of d
-    and batch."""
+    b's; b (f32 or f16, any strides) is seen in a's vec_dot_type (_vec_dot_b). Up to MV_MAX_COLS
+    columns of b: mul_mv, one workgroup per MV_ROWS rows of a and batch; more: mul_mm, one
+    workgroup per BM x BN tile of d and batch."""
     a_in, b_in = node.inputs
     a, b, d = _Tensor.of(a_in.type, srcs[0]), _Tensor.of(b_in.type, srcs[1]), _Tensor.of(node.type, dst)
     if 0 in d.shape:
         return
+    b = _vec_dot_b(k, a.dtype, b, node.name)
     r3, r2 = b.shape[0] // a.shape[0], b.shape[1] // a.shape[1]
     n, kk = b.shape[2], a.shape[3]
     for (c0, c1), (j0, j1), (m0, m1) in _pieces(k, a):
@@ -173,6 +211,7 @@ def mul_mat_id(k, node, srcs, dst) -> None:
     ids, d = _Tensor.of(ids_in.type, srcs[2]), _Tensor.of(node.type, dst)
     if 0 in d.shape:
         return
+    b = _vec_dot_b(k, w.dtype, b, node.name)
     _, n_tok, n_slot, _ = d.shape
     for _, (e0, e1), (m0, m1) in _pieces(k, w):
         wv = w.view((0, e0, m0, 0), (1, e1 - e0, m1 - m0, w.shape[3]))

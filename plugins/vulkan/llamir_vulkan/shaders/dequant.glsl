@@ -9,6 +9,8 @@
 //   A_UNIT     bytes per element of the tensor's descriptor (lowering.unit_of), for bf16.
 //   A_VEC4     (f32 / f16) rows are contiguous and every row starts on a 4-element boundary:
 //              dequant4 is one vec4 load.
+//   A_SPLIT_MIN (q4_1 / q5_1) dequant4 leaves out the block's min m (d * q only) and a_min
+//              gives it: the matrix kernels add m * s_b per block, as ggml's vec_dot_q4_1_q8_1.
 // Provides:
 //   QK                          elements per block (1 for float types; A_FLOAT is then defined).
 //   vec4 dequant4(row, k, nb0)  elements k..k+3 of the row whose first element (float types) or
@@ -16,6 +18,7 @@
 //                               element stride of a float row (quantized rows are whole blocks
 //                               back to back, QUANT_BYTES apart). k % 4 == 0 and k + 3 < the row.
 //   float dequant1(row, k, nb0) element k (float types only: their rows need not be 4-aligned).
+//   float a_min(row, k)         (A_SPLIT_MIN) the min m of the block holding element k.
 // The binding is seen through aliased views: bytes and 16-bit words for the block types (blocks
 // are 2-byte aligned), the element type and its vec4 for f32 / f16.
 
@@ -135,7 +138,11 @@ vec4 dequant_block4(uint b, uint j) {
 #elif defined(A_Q4_1)
     // d, m, qs[16]: q * d + m
     uint q = (a_word(b + 4u + (j & 15u)) >> ((j >> 4) * 4u)) & 0x0F0F0F0Fu;
+#ifdef A_SPLIT_MIN
+    return bytes4(q) * a_half(b);
+#else
     return bytes4(q) * a_half(b) + a_half(b + 2u);
+#endif
 #elif defined(A_Q5_0)
     // d, qh (bit j: element j's fifth bit), qs[16]; q - 16
     uint q = (a_word(b + 6u + (j & 15u)) >> ((j >> 4) * 4u)) & 0x0F0F0F0Fu;
@@ -145,7 +152,11 @@ vec4 dequant_block4(uint b, uint j) {
     // d, m, qh, qs[16]
     uint q = (a_word(b + 8u + (j & 15u)) >> ((j >> 4) * 4u)) & 0x0F0F0F0Fu;
     vec4 h = bits4(a_word(b + 4u) >> j);
+#ifdef A_SPLIT_MIN
+    return (bytes4(q) + 16.0 * h) * a_half(b);
+#else
     return (bytes4(q) + 16.0 * h) * a_half(b) + a_half(b + 2u);
+#endif
 #elif defined(A_Q8_0)
     // d, qs[32] int8
     int w = int(a_word(b + 2u + j));
@@ -196,4 +207,10 @@ vec4 dequant_block4(uint b, uint j) {
 vec4 dequant4(uint row, uint k, uint nb0) {
     return dequant_block4(row + (k / QK) * QUANT_BYTES, k % QK);
 }
+
+#ifdef A_SPLIT_MIN
+float a_min(uint row, uint k) {
+    return a_half(row + (k / QK) * QUANT_BYTES + 2u);
+}
+#endif
 #endif

@@ -8,14 +8,21 @@
 // mul_mat: one workgroup per (m tile, n tile, batch of d).
 // mul_mat_id: one workgroup per (m tile, expert); it gathers the (token, slot) pairs whose id is
 // its expert, BN at a time, as the columns of its tiles (d [T, k, M], b [T, n_b, K], ids [T, k]).
-// Defines: A_<TYPE>, A_UNIT, A_VEC4 (dequant.glsl), B_TYPE (float or float16_t), B_VEC4 (vec4 or
-// f16vec4 when b's columns are contiguous and 4-element aligned), BM, BN, BK, TM, TN (TM and TN
-// multiples of 4), WG = (BM / TM) * (BN / TN), MUL_MAT_ID.
+// b is in the weight's vec_dot_type (mul_b.glsl): as ggml's CPU, the products see b rounded to
+// it, and a q4_1 / q5_1 weight's min m enters as m * s_b per block (A_SPLIT_MIN, with BK = QK:
+// one block per k step), s_b the q8_1 block's stored d * sum(q).
+// Defines: A_<TYPE>, A_UNIT, A_VEC4, A_SPLIT_MIN (dequant.glsl), B_<TYPE>, B_VEC4 (mul_b.glsl),
+// BM, BN, BK, TM, TN (TM and TN multiples of 4), WG = (BM / TM) * (BN / TN), MUL_MAT_ID.
 // mul_mat_id's expert_base: the first expert in a's binding (a large src0 is bound in pieces;
 // pairs choosing an expert outside it are left to another dispatch).
 #include "common.glsl"
 #define A_BINDING 1
 #include "dequant.glsl"
+#define B_BINDING 2
+#include "mul_b.glsl"
+#if defined(A_SPLIT_MIN) && BK != QK
+#error "mul_mm: A_SPLIT_MIN needs BK = QK (one block of a per k step)"
+#endif
 
 #ifdef MUL_MAT_ID
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor ids; Tensor d; uint expert_base; } p;
@@ -25,17 +32,17 @@ layout(std430, binding = 4) writeonly buffer D { float data_d[]; };
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor d; } p;
 layout(std430, binding = 3) writeonly buffer D { float data_d[]; };
 #endif
-layout(std430, binding = 2) readonly buffer B { B_TYPE data_b[]; };
-#ifdef B_VEC4
-layout(std430, binding = 2) readonly buffer B4 { B_VEC4 data_b4[]; };
-#endif
 
 const uint TX = BM / TM;  // threads along m
 
 shared vec4 tile_a[BK * BM / 4];  // [k][m / 4]: four rows of a at one k
 shared vec4 tile_b[BK * BN / 4];  // [k][n / 4]
-shared uint col_b[BN];            // each column's first element in b
+shared uint col_b[BN];            // each column's start in b (its first element or block)
 shared uint col_d[BN];            // and in d
+#ifdef A_SPLIT_MIN
+shared float tile_min[BM];        // the k step's block of each row of a: its min m
+shared float tile_sum[BN];        // and of each column of b: its s
+#endif
 
 // d[m0 .. m0 + BM, columns 0 .. n_cols of col_b / col_d] for a's rows starting at a_base.
 void mul_tile(uint a_base, uint m0, uint n_cols) {
@@ -71,18 +78,30 @@ void mul_tile(uint a_base, uint m0, uint n_cols) {
         // b: BN columns x BK
         for (uint u = tid; u < BN * BK / 4; u += WG) {
             uint n = u / (BK / 4), kk = (u % (BK / 4)) * 4, k = k0 + kk;
-#ifdef B_VEC4
-            vec4 v = n < n_cols && k < K ? vec4(data_b4[(col_b[n] + k) / 4]) : vec4(0.0);
+            vec4 v = vec4(0.0);
+            if (n < n_cols && k + 4 <= K) {
+                v = b4(col_b[n], k, p.b.nb0);
+            }
+#ifdef B_FLOAT
+            else if (n < n_cols) {  // a float column's tail
+                [[unroll]] for (uint c = 0; c < 4; c++) {
+                    v[c] = k + c < K ? b1(col_b[n], k + c, p.b.nb0) : 0.0;
+                }
+            }
+#endif
             [[unroll]] for (uint c = 0; c < 4; c++) {
                 tile_b[(kk + c) * (BN / 4) + n / 4][n % 4] = v[c];
             }
-#else
-            [[unroll]] for (uint c = 0; c < 4; c++) {
-                tile_b[(kk + c) * (BN / 4) + n / 4][n % 4] =
-                    n < n_cols && k + c < K ? float(data_b[col_b[n] + (k + c) * p.b.nb0]) : 0.0;
-            }
-#endif
         }
+#ifdef A_SPLIT_MIN
+        for (uint u = tid; u < BM + BN; u += WG) {
+            if (u < BM) {
+                tile_min[u] = m0 + u < M ? a_min(a_base + (m0 + u) * p.a.nb1, k0) : 0.0;
+            } else {
+                tile_sum[u - BM] = u - BM < n_cols ? b_sum(col_b[u - BM], k0) : 0.0;
+            }
+        }
+#endif
         barrier();
         [[unroll]] for (uint kk = 0; kk < BK; kk++) {
             vec4 va[TM / 4], vb[TN / 4];
@@ -98,6 +117,13 @@ void mul_tile(uint a_base, uint m0, uint n_cols) {
                 }
             }
         }
+#ifdef A_SPLIT_MIN
+        [[unroll]] for (uint i = 0; i < TM; i++) {
+            [[unroll]] for (uint j = 0; j < TN; j++) {
+                acc[i][j] = fma(tile_min[tx * TM + i], tile_sum[ty * TN + j], acc[i][j]);
+            }
+        }
+#endif
         barrier();
     }
     [[unroll]] for (uint j = 0; j < TN; j++) {

@@ -4,14 +4,18 @@
 // and batch of d (per ROWS rows and (token, slot) pair for mul_mat_id): its threads stride over
 // k, four consecutive elements at a time (consecutive threads read consecutive bytes), each
 // keeping a partial sum per row and column, then reduce them in shared memory.
-// Defines: A_<TYPE>, A_UNIT, A_VEC4 (dequant.glsl), B_TYPE (float or float16_t), B_VEC4 (vec4
-// or f16vec4 when b's columns are contiguous and 4-element aligned), NCOLS (the columns of b; 1
-// with MUL_MAT_ID), ROWS, WG (a power of two), MUL_MAT_ID.
+// b is in the weight's vec_dot_type (mul_b.glsl): as ggml's CPU, the products see b rounded to
+// it, and a q4_1 / q5_1 weight's min m enters as m * s_b per block (A_SPLIT_MIN; the thread
+// whose four elements start a block adds it), s_b the q8_1 block's stored d * sum(q).
+// Defines: A_<TYPE>, A_UNIT, A_VEC4, A_SPLIT_MIN (dequant.glsl), B_<TYPE>, B_VEC4 (mul_b.glsl),
+// NCOLS (the columns of b; 1 with MUL_MAT_ID), ROWS, WG (a power of two), MUL_MAT_ID.
 // mul_mat_id's expert_base: the first expert in a's binding (a large src0 is bound in pieces;
 // pairs choosing an expert outside it are left to another dispatch).
 #include "common.glsl"
 #define A_BINDING 1
 #include "dequant.glsl"
+#define B_BINDING 2
+#include "mul_b.glsl"
 
 #ifdef MUL_MAT_ID
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor ids; Tensor d; uint expert_base; } p;
@@ -21,23 +25,8 @@ layout(std430, binding = 4) writeonly buffer D { float data_d[]; };
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor d; } p;
 layout(std430, binding = 3) writeonly buffer D { float data_d[]; };
 #endif
-layout(std430, binding = 2) readonly buffer B { B_TYPE data_b[]; };
-#ifdef B_VEC4
-layout(std430, binding = 2) readonly buffer B4 { B_VEC4 data_b4[]; };
-#endif
 
 shared float partial[ROWS * NCOLS * WG];
-
-// b's elements k..k+3 of the column starting at col.
-vec4 b4(uint col, uint k) {
-#ifdef B_VEC4
-    return vec4(data_b4[(col + k) / 4]);
-#else
-    uint s = p.b.nb0;
-    return vec4(float(data_b[col + k * s]), float(data_b[col + (k + 1) * s]), float(data_b[col + (k + 2) * s]),
-                float(data_b[col + (k + 3) * s]));
-#endif
-}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -82,7 +71,7 @@ void main() {
     for (uint k = 4 * tid; k + 4 <= K; k += 4 * WG) {
         vec4 vb[NCOLS];
         [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-            vb[c] = b4(cols_b[c], k);
+            vb[c] = b4(cols_b[c], k, p.b.nb0);
         }
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             vec4 va = dequant4(a_rows[r], k, p.a.nb0);
@@ -90,13 +79,23 @@ void main() {
                 acc[r][c] += dot(va, vb[c]);
             }
         }
+#ifdef A_SPLIT_MIN
+        if (k % QK == 0) {
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                float s = b_sum(cols_b[c], k);
+                [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                    acc[r][c] += a_min(a_rows[r], k) * s;
+                }
+            }
+        }
+#endif
     }
 #ifdef A_FLOAT
     for (uint k = K / 4 * 4 + tid; k < K; k += WG) {  // a float row's tail
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
             float va = dequant1(a_rows[r], k, p.a.nb0);
             [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-                acc[r][c] += va * float(data_b[cols_b[c] + k * p.b.nb0]);
+                acc[r][c] += va * b1(cols_b[c], k, p.b.nb0);
             }
         }
     }

@@ -1,16 +1,21 @@
 // f32 -> quantized block encoders, as the reference interpreter's from_f32 quantizes a block
 // (llamir/ir/quants.py): ggml's quantize_row_*_ref for q4_0, q4_1, q5_0, q5_1 and the K-quants
-// (quantize_k.glsl), ggml-cpu's x86 from_float for q8_0 (id = 127/amax, round half to even).
+// (quantize_k.glsl), ggml-cpu's x86 from_float for q8_0 (id = 127/amax, round half to even);
+// and the activation types of the matrix kernels (quantize_b.comp, as llamir's cpu_from_float):
+// q8_0 and q8_1 as ggml-cpu's x86 from_float, q8_K as quantize_row_q8_K_ref.
 // Every sum and product that the reference rounds on its own is `precise`, so that none is
 // fused and the result matches the reference bit for bit.
 //
-// Defines: one of QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, QUANT_Q8_0, QUANT_Q2_K,
-// QUANT_Q3_K, QUANT_Q4_K, QUANT_Q5_K, QUANT_Q6_K. The including shader declares the byte buffer
-// `data_q` (uint8_t) blocks are written to, and includes cpy_types.glsl first. It sets the QK
-// values of a block in qx, then quantize_block(at) encodes them into the block at byte `at`.
+// Defines: one of QUANT_Q4_0, QUANT_Q4_1, QUANT_Q5_0, QUANT_Q5_1, QUANT_Q8_0, QUANT_Q8_1,
+// QUANT_Q8_K, QUANT_Q2_K, QUANT_Q3_K, QUANT_Q4_K, QUANT_Q5_K, QUANT_Q6_K. The including shader
+// declares the byte buffer `data_q` (uint8_t) blocks are written to, and includes cpy_types.glsl
+// first. It sets the QK values of a block in qx, then quantize_block(at) encodes them into the
+// block at byte `at`.
 
 #if defined(QUANT_Q2_K) || defined(QUANT_Q3_K) || defined(QUANT_Q4_K) || defined(QUANT_Q5_K) || defined(QUANT_Q6_K)
 #define QUANT_K 1
+#endif
+#if defined(QUANT_K) || defined(QUANT_Q8_K)
 const uint QK = 256;
 #else
 const uint QK = 32;
@@ -127,8 +132,9 @@ void quantize_block(uint at_) {
 }
 #endif
 
-#ifdef QUANT_Q8_0
-// q8_0 as ggml-cpu's AVX quantize_row_q8_0: d = amax / 127, q = x * (127 / amax) rounded half to even.
+#if defined(QUANT_Q8_0) || defined(QUANT_Q8_1)
+// q8_0 / q8_1 as ggml-cpu's AVX quantize_row_q8_0 / _q8_1: d = amax / 127, q = x * (127 / amax)
+// rounded half to even; q8_1 also stores s = d * sum(q) (d before its f16 rounding) after d.
 void quantize_block(uint at_) {
     float amax = 0.0;
     [[unroll]] for (uint j = 0; j < QK; ++j) {
@@ -137,9 +143,51 @@ void quantize_block(uint at_) {
     precise float d = amax / 127.0;
     precise float id = amax != 0.0 ? 127.0 / amax : 0.0;
     put_f16(at_, d);
+#ifdef QUANT_Q8_1
+    const uint qs = at_ + 4u;
+#else
+    const uint qs = at_ + 2u;
+#endif
+    int sum = 0;
     [[unroll]] for (uint j = 0; j < QK; ++j) {
         precise float t = qx[j] * id;
-        put_byte(at_ + 2u + j, uint(clamp(int(roundEven(t)), -128, 127)));
+        int q = int(roundEven(t));
+        sum += q;
+        put_byte(qs + j, uint(clamp(q, -128, 127)));
+    }
+#ifdef QUANT_Q8_1
+    precise float s = float(sum) * d;
+    put_f16(at_ + 2u, s);
+#endif
+}
+#endif
+
+#ifdef QUANT_Q8_K
+// q8_K as ggml's quantize_row_q8_K_ref: iscale = -127 / max (max: the first value of largest
+// magnitude), q = min(127, nearest_int(iscale * x)), d = 1 / iscale (f32), and bsums[16], the
+// sums of q over each 16 values (int16). A block of zeros is d = 0, q = 0.
+void quantize_block(uint at_) {
+    float amax = 0.0;
+    float vmax = 0.0;
+    [[unroll]] for (uint j = 0; j < QK; ++j) {
+        if (amax < abs(qx[j])) {
+            amax = abs(qx[j]);
+            vmax = qx[j];
+        }
+    }
+    precise float iscale = amax != 0.0 ? -127.0 / vmax : 0.0;
+    precise float d = amax != 0.0 ? 1.0 / iscale : 0.0;
+    put_u32(at_, floatBitsToUint(d));
+    for (uint g = 0; g < QK / 16u; ++g) {
+        int sum = 0;
+        [[unroll]] for (uint j = 16u * g; j < 16u * g + 16u; ++j) {
+            precise float t = iscale * qx[j];
+            int q = isnan(t) ? 0 : min(127, int(roundEven(t)));  // nearest_int(NaN) is 0
+            sum += q;
+            put_byte(at_ + 4u + j, uint(q));
+        }
+        put_byte(at_ + 260u + 2u * g, uint(sum));
+        put_byte(at_ + 261u + 2u * g, uint(sum) >> 8);
     }
 }
 #endif
