@@ -46,6 +46,8 @@ class Runner:
         self.n_splits: dict[str, int] = {}
         self.reserved = False
         self.device_weights: dict[str, TensorData] = {}
+        self._scheduled: tuple | None = None  # (bound graph, pins key, ScheduledGraph) of the last run
+        self.n_sched_reused = 0
 
     @property
     def cpu(self) -> Backend:
@@ -125,7 +127,17 @@ class Runner:
         if cg.executable is not None:
             return cg.executable(values, bindings, observe)
         g = self._bound(cg, bindings)
-        scheduled = self.sched.alloc_graph(g, cg.placement.pins(g, n_tokens))
+        pins = cg.placement.pins(g, n_tokens)
+        key = frozenset((id(node), label) for node, label in pins.items())
+        last = self._scheduled
+        if last is not None and last[0] is g and last[1] == key and self.sched.n_copies == 1:
+            # the graph is reused (llama.cpp's can_reuse): its splits and allocation stand, as
+            # llama_context skips ggml_backend_sched_alloc_graph for a reused graph
+            scheduled = last[2]
+            self.n_sched_reused += 1
+        else:
+            scheduled = self.sched.alloc_graph(g, pins)
+            self._scheduled = (g, key, scheduled)
         self.n_splits["last"] = scheduled.plan.n_splits
         return self.sched.graph_compute(scheduled, values, observe)
 
