@@ -322,17 +322,22 @@ class Gpu:
             self.copy(mem, offset, stage, 0, nbytes)
             return stage.host[:nbytes].copy()
 
-    def fill(self, mem: Memory, value: int) -> None:
+    def _one_time(self, record) -> None:
+        """Record commands with `record(cb)` into the transfer command buffer, submit, wait."""
         vk = self.vk
         with self.lock:
             cb = self._transfer
             vk.vkResetCommandBuffer(cb, 0)
             vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
                 flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT))
-            word = (value & 0xFF) * 0x01010101
-            vk.vkCmdFillBuffer(cb, mem.buffer, 0, mem.size // 4 * 4, word)
+            record(cb)
             vk.vkEndCommandBuffer(cb)
             self.submit(cb)
+
+    def fill(self, mem: Memory, value: int) -> None:
+        """Every byte of `mem` set to `value` (vkCmdFillBuffer fills whole words)."""
+        word = (value & 0xFF) * 0x01010101
+        self._one_time(lambda cb: self.vk.vkCmdFillBuffer(cb, mem.buffer, 0, mem.size // 4 * 4, word))
         tail = mem.size % 4
         if tail:
             self.write(mem, mem.size - tail, np.full(tail, value & 0xFF, np.uint8))
@@ -341,16 +346,8 @@ class Gpu:
         """vkCmdCopyBuffer, submitted and waited for."""
         if nbytes == 0:
             return
-        vk = self.vk
-        with self.lock:
-            cb = self._transfer
-            vk.vkResetCommandBuffer(cb, 0)
-            vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
-                flags=vk.VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT))
-            vk.vkCmdCopyBuffer(cb, src.buffer, dst.buffer, 1, [vk.VkBufferCopy(
-                srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)])
-            vk.vkEndCommandBuffer(cb)
-            self.submit(cb)
+        region = self.vk.VkBufferCopy(srcOffset=src_offset, dstOffset=dst_offset, size=nbytes)
+        self._one_time(lambda cb: self.vk.vkCmdCopyBuffer(cb, src.buffer, dst.buffer, 1, [region]))
 
     # -- pipelines -------------------------------------------------------------------------------
     def _pipeline_cache_path(self):
