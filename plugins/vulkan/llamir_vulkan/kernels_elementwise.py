@@ -4,7 +4,7 @@ and same-type copies of any type), concat, repeat, and set_rows (the KV-cache wr
 
 from __future__ import annotations
 
-from llamir.ir import BF16, F16, ops
+from llamir.ir import ops
 from llamir_vulkan.lowering import Params, groups_for, kernel
 
 WG = 256
@@ -33,11 +33,9 @@ def storage(role: str, dtype) -> dict:
 
 
 def tensor(value, td, written: bool = False) -> tuple:
-    """A dispatch's (type, data, written) entry for a node or input. A bf16 tensor is described as
-    the f16 tensor of its bytes: lowering.unit_of takes bf16's element for a byte (its np_dtype
-    is uint8), and the shaders index bf16 buffers by their 2-byte elements."""
-    ttype = value.type.with_dtype(F16) if value.dtype == BF16 else value.type
-    return ttype, td, written
+    """A dispatch's (type, data, written) entry for a node or input (bf16 is indexed by its 2-byte
+    elements, as lowering.unit_of says)."""
+    return value.type, td, written
 
 
 def threads(n: int) -> tuple[int, int, int]:
