@@ -2,13 +2,16 @@
 // Matrix-vector product for one or a few columns of b (token generation): ggml's mul_mat with
 // ne11 <= NCOLS, and mul_mat_id (MUL_MAT_ID) per (token, slot). One workgroup per ROWS rows of a
 // and batch of d (per ROWS rows and (token, slot) pair for mul_mat_id): its threads stride over
-// k, four consecutive elements at a time (consecutive threads read consecutive bytes), each
-// keeping a partial sum per row and column, then reduce them in shared memory.
+// k, each keeping a partial sum per row and column, then one thread per (row, column) adds the
+// WG partials up from shared memory. With MV_WORDS (a quantized a, mul_mv_words.glsl) a thread
+// takes CHUNK elements (a whole block, or a K-quant's sub-blocks) per step, read as 32-bit words,
+// each b chunk serving the ROWS rows; else four consecutive elements at a time through
+// dequant4 / b4 (consecutive threads read consecutive bytes either way).
 // b is in the weight's vec_dot_type (mul_b.glsl): as ggml's CPU, the products see b rounded to
 // it, and a q4_1 / q5_1 weight's min m enters as m * s_b per block (A_SPLIT_MIN; the thread
-// whose four elements start a block adds it), s_b the q8_1 block's stored d * sum(q).
+// whose elements start a block adds it), s_b the q8_1 block's stored d * sum(q).
 // Defines: A_<TYPE>, A_UNIT, A_VEC4, A_SPLIT_MIN (dequant.glsl), B_<TYPE>, B_VEC4 (mul_b.glsl),
-// NCOLS (the columns of b; 1 with MUL_MAT_ID), ROWS, WG (a power of two), MUL_MAT_ID.
+// MV_WORDS, NCOLS (the columns of b; 1 with MUL_MAT_ID), ROWS, WG, MUL_MAT_ID.
 // mul_mat_id's expert_base: the first expert in a's binding (a large src0 is bound in pieces;
 // pairs choosing an expert outside it are left to another dispatch).
 #include "common.glsl"
@@ -16,6 +19,9 @@
 #include "dequant.glsl"
 #define B_BINDING 2
 #include "mul_b.glsl"
+#ifdef MV_WORDS
+#include "mul_mv_words.glsl"
+#endif
 
 #ifdef MUL_MAT_ID
 layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor ids; Tensor d; uint expert_base; } p;
@@ -26,7 +32,7 @@ layout(std430, binding = 0) readonly buffer Params { Tensor a; Tensor b; Tensor 
 layout(std430, binding = 3) writeonly buffer D { float data_d[]; };
 #endif
 
-shared float partial[ROWS * NCOLS * WG];
+shared float partial[ROWS * NCOLS * (WG + 1)];
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
@@ -68,6 +74,32 @@ void main() {
             acc[r][c] = 0.0;
         }
     }
+#ifdef MV_WORDS
+    for (uint ci = tid; ci < K / CHUNK; ci += WG) {
+        uint k0 = ci * CHUNK;
+        vec4 vb[NCOLS][CHUNK / 4];
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            b_chunk(cols_b[c], k0, vb[c]);
+        }
+        [[unroll]] for (uint r = 0; r < ROWS; r++) {
+            vec4 va[CHUNK / 4];
+            a_chunk(a_rows[r] + (k0 / QK) * QUANT_BYTES, k0 % QK, va);
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                [[unroll]] for (uint i = 0; i < CHUNK / 4; i++) {
+                    acc[r][c] += dot(va[i], vb[c][i]);
+                }
+            }
+        }
+#ifdef A_SPLIT_MIN
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            float s = b_sum(cols_b[c], k0);
+            [[unroll]] for (uint r = 0; r < ROWS; r++) {
+                acc[r][c] += a_min(a_rows[r], k0) * s;
+            }
+        }
+#endif
+    }
+#else
     for (uint k = 4 * tid; k + 4 <= K; k += 4 * WG) {
         vec4 vb[NCOLS];
         [[unroll]] for (uint c = 0; c < NCOLS; c++) {
@@ -90,6 +122,7 @@ void main() {
         }
 #endif
     }
+#endif
 #ifdef A_FLOAT
     for (uint k = K / 4 * 4 + tid; k < K; k += WG) {  // a float row's tail
         [[unroll]] for (uint r = 0; r < ROWS; r++) {
@@ -100,24 +133,22 @@ void main() {
         }
     }
 #endif
+    // One barrier: each (row, column) sum is then one thread's, over the WG partials (a row of
+    // partial padded by one word, so that those threads read different banks).
     [[unroll]] for (uint r = 0; r < ROWS; r++) {
         [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-            partial[(r * NCOLS + c) * WG + tid] = acc[r][c];
+            partial[(r * NCOLS + c) * (WG + 1) + tid] = acc[r][c];
         }
     }
     barrier();
-    for (uint s = WG / 2; s > 0; s >>= 1) {
-        if (tid < s) {
-            [[unroll]] for (uint i = 0; i < ROWS * NCOLS; i++) {
-                partial[i * WG + tid] += partial[i * WG + tid + s];
-            }
-        }
-        barrier();
-    }
     for (uint i = tid; i < ROWS * NCOLS; i += WG) {
         uint r = i / NCOLS, c = i % NCOLS;
+        float sum = 0.0;
+        [[unroll]] for (uint t = 0; t < WG; t++) {
+            sum += partial[i * (WG + 1) + t];
+        }
         if (m0 + r < M) {
-            data_d[cols_d[c] + (m0 + r) * p.d.nb0] = partial[i * WG];
+            data_d[cols_d[c] + (m0 + r) * p.d.nb0] = sum;
         }
     }
 }
