@@ -24,34 +24,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_llvm import model_paths  # the same files bench_llvm.py writes and times
 
 from llamir.backends import get_backend
 from llamir.cli_bench import bench_llama_cpp, bench_llamir, llama_cpp_system_info
 from llamir.frontend.placement import PlacementParams
-from llamir.frontend.synth import SynthSpec, write_model
-from llamir.paths import cache_dir
 
-SMALL = dict(n_layer=4, n_embd=256, n_head=4, n_head_kv=4, n_ff=768, n_vocab=4096, tied=True)
-DTYPES = ("f16", "q8_0", "q4_0", "q4_k")
-
-
-def model_paths(selected: list[str]) -> dict[str, Path]:
-    out = {}
-    root = cache_dir() / "bench"
-    root.mkdir(parents=True, exist_ok=True)
-    for dtype in DTYPES:
-        name = f"small-{dtype}"
-        if selected and name not in selected:
-            continue
-        path = root / f"llama-{name}.gguf"
-        if not path.exists():
-            write_model(path, SynthSpec(arch="llama", dtype=dtype, seed=1, **SMALL))
-        out[name] = path
-    if not selected or "smollm2-q4_1" in selected:
-        from llamir.frontend.default_model import default_model_path
-
-        out["smollm2-q4_1"] = default_model_path(progress=True)
-    return out
+MODELS = ("small-f16", "small-q8_0", "small-q4_0", "small-q4_k", "smollm2-q4_1")
 
 
 def kernel_rows(vulkan) -> list[dict]:
@@ -138,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report here (default bench/results/bench_vulkan.json)")
     args = p.parse_args(argv)
     selected = [m for m in args.models.split(",") if m]
-    report = run(model_paths(selected), args.threads, args.n_prompt, args.n_gen, args.reps)
+    report = run(model_paths(selected or list(MODELS)), args.threads, args.n_prompt, args.n_gen, args.reps)
     print(table(report))
     out = Path(args.json) if args.json else Path(__file__).parent / "results" / "bench_vulkan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
