@@ -127,7 +127,7 @@ class Context:
     def _create_memory(self) -> Memory | None:
         """The memory the architecture chooses (llama_model::create_memory), made for this context."""
         kind = self.model.arch.create_memory(self.model.hparams)
-        return create_memory(kind, self.model.hparams, self.cparams)
+        return create_memory(kind, self.model.hparams, self.cparams, self.model.arch)
 
     def _flash_attn_works(self) -> bool:
         """flash_attn=auto: on the CPU alone, whether the backend runs the __fattn__ nodes; with
@@ -152,7 +152,8 @@ class Context:
     def graph_config(self, has_tokens: bool, encoder: bool = False) -> GraphConfig:
         cp = self.cparams
         memory = () if encoder or self.memory is None else self.memory.layouts
-        return GraphConfig(memory=memory, rope=cp.rope, flash_attn=cp.flash_attn,
+        recurrent = None if encoder else getattr(self.memory, "rs_layout", None)
+        return GraphConfig(memory=memory, recurrent=recurrent, rope=cp.rope, flash_attn=cp.flash_attn,
                            causal_attn=cp.causal_attn and not encoder, input_kind="tokens" if has_tokens else "embd",
                            embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none")
 
@@ -168,6 +169,9 @@ class Context:
         for layout in memory.layouts if memory is not None else ():
             b[layout.n_kv_dim] = layout.kv_size
         b.setdefault("n_kv", self.cparams.n_ctx_seq)
+        if "rs_seqs" in names:   # recurrent: n_seqs equal runs over every cell
+            b.update(rs_seqs=n_seqs, rs_seq_tokens=max(1, n_tokens // n_seqs), n_rs=memory.rs_layout.size)
+            b["n_out"] = n_seqs * b["rs_seq_tokens"]
         if "ns" in names:
             ns = min(n_seqs, self.cparams.n_seq_max)
             b.update(ns=ns, T_s=max(1, n_tokens // ns), s0=0)

@@ -252,6 +252,35 @@ class InputCls(GraphInput):
         values["inp_cls"] = np.asarray(target_row, dtype=np.int32)
 
 
+@dataclass
+class InputRS(GraphInput):
+    """rs_s_copy i32 [n_rs] (the row each cell's state is in), rs_keep f32 [n_rs, 1] (0 for a cell
+    starting from the zero state) and rs_dst i32 [n_rs] (the cells' own rows, head + i) from the
+    recurrent memory's context (llm_graph_input_rs)."""
+
+    mctx: object
+    leaf_names = ("rs_s_copy", "rs_keep", "rs_dst")
+
+    def set_input(self, ubatch, values):
+        mctx = self.mctx
+        s_copy = mctx.s_copy()
+        put_input(values, "rs_s_copy", s_copy, _I32)
+        put_input(values, "rs_keep", (s_copy != mctx.rs_z).astype(np.float32)[:, None], _F32)
+        put_input(values, "rs_dst", mctx.head + _iota(mctx.n_rs), _I32)
+
+    def rebind(self, mctx) -> None:
+        self.mctx = mctx
+
+    def can_reuse(self, params):
+        return True   # the cell range is an input and a bound dim, not part of the graph
+
+
+def _rs(spec, env) -> GraphInput:
+    if env.mctx is None or not hasattr(env.mctx, "s_copy"):
+        raise ValueError("the graph reads recurrent state, but the context's memory keeps none")
+    return InputRS(env.mctx)
+
+
 @dataclass(frozen=True)
 class InputEnv:
     """What an input object is made from besides its spec: the context's settings, the ubatch's
@@ -302,6 +331,7 @@ INPUT_KINDS: dict[str, Callable[[InputSpec, InputEnv], GraphInput]] = {
     "attn_no_cache": _attn_no_cache,
     "mean": lambda spec, env: InputMean(),
     "cls": _cls,
+    "rs": _rs,
 }
 
 
@@ -333,17 +363,16 @@ class GraphResult:
     values: dict = field(default_factory=dict)   # leaf values kept across calls: weights, state
 
     def __post_init__(self) -> None:
-        self._kv_inputs = [inp for inp in self.inputs if isinstance(inp, InputAttnKV)]
+        self._memory_inputs = [inp for inp in self.inputs if hasattr(inp, "rebind")]
 
     def can_reuse(self, params: GraphParams, mctx: KVCacheContext | None) -> bool:
         if self.params != params and not self.params.allow_reuse(params):
             return False
-        if self._kv_inputs:
+        if self._memory_inputs:
             if mctx is None:
                 return False
-            contexts = mctx.contexts()
-            for inp in self._kv_inputs:
-                inp.rebind_to(contexts)
+            for inp in self._memory_inputs:
+                inp.rebind(mctx)
         return all(inp.can_reuse(params) for inp in self.inputs)
 
     def set_inputs(self, ubatch: UBatch, values: dict | None = None) -> dict[str, np.ndarray]:

@@ -14,10 +14,10 @@ from enum import IntEnum
 
 import numpy as np
 
-from llamir.backends.base import BufferType, TensorData, alloc_tensors
+from llamir.backends.base import TensorData
 from llamir.context.batch import I32_MAX, I32_MIN, LLAMA_MAX_SEQ, POS_LIMIT, BatchAllocator, UBatch, is_integer
 from llamir.context.kv_cells import CellsSnapshot, KVCells
-from llamir.context.memory import Memory
+from llamir.context.memory import Memory, host_array, place_tensors, put_back, zero_tensors
 from llamir.frontend.graph_kv import KVLayout, cache_k_name, cache_v_name
 from llamir.frontend.hparams import HParams
 from llamir.ir import F16, DType
@@ -169,19 +169,7 @@ class KVCache(Memory):
         K and V from its device's buffer type); their contents come along. They stay there: a
         decode reads and writes them on the device, and only state save/load, undo and K-shift
         copy them through the host."""
-        by_buft: dict[int, tuple[BufferType, dict[str, np.ndarray]]] = {}
-        for name, buf in self.tensors.items():
-            tb = buffers.get(name)
-            if tb is None or tb.buft.is_host or not isinstance(buf, np.ndarray):
-                continue
-            by_buft.setdefault(id(tb.buft), (tb.buft, {}))[1][name] = buf
-        for buft, arrays in by_buft.values():
-            tensors = alloc_tensors(buft, {name: (a.shape, a.dtype) for name, a in arrays.items()})
-            for name, td in tensors.items():
-                td.write(arrays[name])
-                self.tensors[name] = td
-            log.info("KV cache: %d tensors (%d bytes) in %s memory", len(tensors),
-                     sum(td.nbytes for td in tensors.values()), buft.name)
+        place_tensors(self.tensors, buffers, "KV cache")
 
     @property
     def caches(self) -> tuple[KVCache]:
@@ -190,14 +178,11 @@ class KVCache(Memory):
     def host(self, name: str) -> np.ndarray:
         """A tensor as a host array: in place for host memory, else a copy (write it back with
         put_back)."""
-        buf = self.tensors[name]
-        return buf if isinstance(buf, np.ndarray) else buf.read()
+        return host_array(self.tensors[name])
 
     def put_back(self, name: str, array: np.ndarray) -> None:
         """After changing host(name)'s array: a device tensor gets the new contents."""
-        buf = self.tensors[name]
-        if not isinstance(buf, np.ndarray):
-            buf.write(array)
+        put_back(self.tensors[name], array)
 
     # -- sizes ------------------------------------------------------------------------------------
     def get_size(self) -> int:
@@ -412,11 +397,7 @@ class KVCache(Memory):
             cells.reset()
         self.v_heads = [0] * self.n_stream
         if data:
-            for buf in self.tensors.values():
-                if isinstance(buf, np.ndarray):
-                    buf[...] = 0
-                else:
-                    buf.write(np.zeros(buf.shape, buf.dtype))
+            zero_tensors(self.tensors)
 
     # -- sequence operations ---------------------------------------------------------------------
     # llama.cpp GGML_ASSERTs (aborts the process) on a sequence id outside [0, seq_to_stream.size())

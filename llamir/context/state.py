@@ -199,7 +199,7 @@ def write_state(ctx) -> bytes:
     """llama_state_get_data: the architecture name, then the memory."""
     w = Writer()
     w.string(ctx.model.hparams.arch)
-    state_kv.write_memory(w, ctx.memory)
+    ctx.memory.state_write(w)
     return w.getvalue()
 
 
@@ -224,10 +224,10 @@ def _read_state(ctx, r: Reader, with_outputs: bool) -> int:
     if arch != ctx.model.hparams.arch:
         raise StateError(f"wrong model arch: '{arch}' instead of '{ctx.model.hparams.arch}' (byte {at})")
     outputs = _read_outputs(r, ctx) if with_outputs else None
-    states = state_kv.read_memory(r, ctx.memory, None)
+    states = ctx.memory.state_parse(r, None)
     r.expect_end("state")
     _apply_outputs(ctx.outputs, outputs)
-    state_kv.apply_memory(states, -1)
+    ctx.memory.state_apply(states, -1)
     return r.pos
 
 
@@ -300,12 +300,12 @@ def read_seq_state(ctx, data, dest_seq_id, flags=0) -> int:
 
 def _seq_memory(ctx, seq_id: int, flags: int) -> bytes:
     w = Writer()
-    state_kv.write_memory(w, ctx.memory, seq_id, flags)
+    ctx.memory.state_write(w, seq_id, flags)
     return w.getvalue()
 
 
 def _read_seq_memory(ctx, r: Reader, dest_seq_id: int, flags: int, source: SeqSource) -> int:
-    states = state_kv.read_memory(r, ctx.memory, source, flags)
+    states = ctx.memory.state_parse(r, source, flags)
     r.expect_end("sequence state")
-    state_kv.apply_memory(states, dest_seq_id)
+    ctx.memory.state_apply(states, dest_seq_id)
     return r.pos

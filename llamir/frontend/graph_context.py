@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from llamir.frontend.arch.base import ArchError
 from llamir.frontend.built import INPUT_LAYER, BuiltGraph, InputSpec, LayerMap
 from llamir.frontend.graph_kv import KVGraph, KVLayout, NoCacheGraph, TokenDims
+from llamir.frontend.graph_rs import RS_DIM_NAMES, RSGraph, RSLayout
 from llamir.frontend.hparams import HParams
 from llamir.frontend.weights import UndeclaredTensorError, Weights
 from llamir.ir import F16, F32, I32, GraphBuilder, Node, dims, ops, sym
@@ -79,13 +80,19 @@ class GraphConfig:
     input_kind: str = "tokens"   # "tokens" or "embd"
     embeddings: bool = False     # also output the final hidden state (t_embd)
     pooling: str = "none"        # none | mean | cls | last | rank (applied when embeddings)
+    recurrent: RSLayout | None = None   # the recurrent state the graph reads and writes, if any
 
     @property
     def n_stream(self) -> int:
         return self.memory[0].n_stream if self.memory else 1
 
     def dim_names(self) -> tuple[str, ...]:
-        names = DIM_NAMES if self.n_stream == 1 else STREAM_DIM_NAMES
+        """The graph's symbolic dims. With recurrent state a ubatch is rs_seqs equal runs of
+        rs_seq_tokens tokens (T is their product) over n_rs cells."""
+        if self.recurrent is not None:
+            names = ("n_kv", "n_out", *RS_DIM_NAMES)
+        else:
+            names = DIM_NAMES if self.n_stream == 1 else STREAM_DIM_NAMES
         return names + tuple(lay.n_kv_dim for lay in self.memory if lay.n_kv_dim not in names)
 
 
@@ -104,7 +111,11 @@ class GraphContext:
         self.hp: HParams = model.hparams
         self.config = config
         self.b = GraphBuilder(model.hparams.arch, config.dim_names())
-        if config.n_stream == 1:
+        self.rs = RSGraph(self.b, config.recurrent) if config.recurrent is not None else None
+        if self.rs is not None:
+            self.T = dims.mul(self.rs.n_seqs, self.rs.n_seq_tokens)
+            tokens = TokenDims(T=self.T, T_s=self.T, ns=1, s0=0)
+        elif config.n_stream == 1:
             self.T = sym("T")
             tokens = TokenDims(T=self.T, T_s=self.T, ns=1, s0=0)
         else:
@@ -156,8 +167,8 @@ class GraphContext:
         leafs = {leaf.name: INPUT_LAYER if leaf.kind == "input" else layer_at(i, 2)
                  for i, leaf in enumerate(graph.leafs)}
         inputs = list(self._inputs)
-        for attention in (self.kv, self.kv_swa):
-            spec = attention.input_spec() if attention is not None else None
+        for memory in (self.kv, self.kv_swa, self.rs):
+            spec = memory.input_spec() if memory is not None else None
             if spec is not None:
                 inputs.append(spec)
         return BuiltGraph(graph, tuple(inputs), self.config.memory, LayerMap(nodes, leafs, self.hp.n_layer))

@@ -77,7 +77,7 @@ def type_problem(t: TensorType) -> str | None:
         if row % t.dtype.block_size:
             return f"a {t.dtype} row of {row} elements is not a whole number of {t.dtype.block_size}-element blocks"
     nbytes = t.nbytes
-    coef = nbytes if isinstance(nbytes, int) else nbytes.coef     # for T*...: the bytes at T = 1
+    coef = dims.evaluate(nbytes, dict.fromkeys(dims.names(nbytes), 1))   # the bytes with every dim at 1
     if coef > INT64_MAX:
         return f"{t} takes {coef} bytes, more than int64 counts"
     return None

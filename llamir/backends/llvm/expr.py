@@ -121,10 +121,10 @@ def cdiv(a: Expr, k: int) -> Expr:
 
 
 def from_dim(d: Dim) -> Expr:
-    """A dims.Dim (int or monomial) as an expression."""
+    """A dims.Dim (int or polynomial) as an expression."""
     if isinstance(d, int):
         return d
-    return mul(d.coef, *(var(n) for n in d.factors))
+    return add(*(mul(coef, *(var(n) for n in factors)) for coef, factors in dims.terms(d)))
 
 
 def prod(parts) -> Expr:

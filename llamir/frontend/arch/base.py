@@ -107,6 +107,11 @@ class Architecture(ABC):
             return "none"
         return "kv_iswa" if hp.n_swa and any(hp.swa_layers) else "kv"
 
+    def recurrent_layout(self, hp: HParams, size: int):
+        """The recurrent state of a "recurrent" memory (llama_hparams::n_embd_r / n_embd_s and
+        the recurrent layers): a graph_rs.RSLayout of `size` cells."""
+        raise ArchError(f"{self.name} keeps no recurrent state")
+
     def rope_freq_base(self, hp: HParams, rope, il: int) -> float:
         """The rope base of layer il (llama_model::get_rope_freq_base); SWA layers may differ."""
         return rope.freq_base

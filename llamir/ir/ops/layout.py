@@ -128,16 +128,8 @@ class Concat(Op):
         for i, (da, db) in enumerate(zip(a.shape, b.shape)):
             require(i == axis or da == db, f"{a} and {b} differ off axis {axis}")
         out = list(a.shape)
-        out[axis] = _dim_add(a.shape[axis], b.shape[axis])
+        out[axis] = dims.add(a.shape[axis], b.shape[axis])
         return a.with_shape(tuple(out))
-
-
-def _dim_add(a: Dim, b: Dim) -> Dim:
-    if isinstance(a, int) and isinstance(b, int):
-        return a + b
-    if a == b:
-        return dims.mul(a, 2)
-    raise ValueError(f"cannot add symbolic dims {a} and {b}")
 
 
 @register_op
