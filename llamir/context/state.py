@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 
-from llamir.context import state_kv
 from llamir.context.batch import LLAMA_MAX_SEQ
 from llamir.context.state_io import Reader, StateError, Writer
 from llamir.context.state_kv import STATE_SEQ_FLAGS_PARTIAL_ONLY, SeqSource

@@ -34,7 +34,8 @@ ARCHS = arch_registry
 # SynthSpec fields (with their defaults) that only the architectures naming them in synth_options take
 # (swa_pattern is read only with a sliding_window, so it is not refused on its own)
 ARCH_OPTIONS = {"sliding_window": None, "n_expert": 0, "n_expert_used": 0, "n_ff_exp": None, "n_ff_shexp": None,
-                "partial_rotary": None, "norm_eps": None}
+                "partial_rotary": None, "norm_eps": None, "ssm_d_state": None, "ssm_d_conv": None,
+                "ssm_dt_rank": None}
 # general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
 # of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
 MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -115,6 +116,9 @@ class SynthSpec:
     n_ff_shexp: int | None = None      # MoE with a shared expert: its ffn width (None: n_ff)
     partial_rotary: float | None = None  # the rotated share of each head (stablelm, phi2); None: all
     norm_eps: float | None = None      # LayerNorm epsilon ({arch}.attention.layer_norm_epsilon)
+    ssm_d_state: int | None = None     # mamba: the scan state per channel (ssm.state_size)
+    ssm_d_conv: int | None = None      # mamba: the conv window (ssm.conv_kernel)
+    ssm_dt_rank: int | None = None     # mamba: the step-size projection's rank (ssm.time_step_rank)
 
     @property
     def n_embd_head(self) -> int:
@@ -163,19 +167,20 @@ def _check_spec(spec: SynthSpec) -> None:
     for field, value in (("dtype", spec.dtype), ("embd_dtype", spec.embd_dtype or spec.dtype)):
         if value not in MATRIX_DTYPES:
             raise ValueError(f"{field}={value!r} is not one of {MATRIX_DTYPES}")
-    if spec.n_head % spec.n_head_kv:
-        raise ValueError(f"n_head={spec.n_head} is not a multiple of n_head_kv={spec.n_head_kv}")
-    if spec.head_dim is None and spec.n_embd % spec.n_head:
-        raise ValueError(f"n_embd={spec.n_embd} is not a multiple of n_head={spec.n_head}; give head_dim")
-    if spec.n_embd_head % 2:
-        raise ValueError(f"head_dim={spec.n_embd_head} must be even for RoPE")
+    if arch.has_attention:
+        if spec.n_head % spec.n_head_kv:
+            raise ValueError(f"n_head={spec.n_head} is not a multiple of n_head_kv={spec.n_head_kv}")
+        if spec.head_dim is None and spec.n_embd % spec.n_head:
+            raise ValueError(f"n_embd={spec.n_embd} is not a multiple of n_head={spec.n_head}; give head_dim")
+        if spec.n_embd_head % 2:
+            raise ValueError(f"head_dim={spec.n_embd_head} must be even for RoPE")
     arch.synth_check(spec)
     if spec.n_vocab < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"n_vocab={spec.n_vocab} is below the {256 + len(SPECIAL_TOKENS)} "
                          "byte + special tokens")
     for field, dtype, n in (
-        ("dtype", spec.dtype, spec.n_embd), ("dtype", spec.dtype, spec.n_ff),
-        ("dtype", spec.dtype, spec.n_head * spec.n_embd_head),
+        ("dtype", spec.dtype, spec.n_embd), ("dtype", spec.dtype, spec.n_ff if arch.has_attention else spec.n_embd),
+        ("dtype", spec.dtype, spec.n_head * spec.n_embd_head if arch.has_attention else spec.n_embd),
         ("embd_dtype", spec.embd_dtype or spec.dtype, spec.n_embd),
     ):
         block = dtype_named(dtype).block_size
@@ -188,13 +193,15 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layer)
-    w.add_feed_forward_length(spec.n_ff)
-    w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
+    attention = ARCHS[spec.arch].has_attention
+    w.add_feed_forward_length(spec.n_ff if attention else 0)
+    w.add_head_count(spec.n_head if attention else 0)
+    w.add_head_count_kv(spec.n_head_kv if attention else 0)
     w.add_layer_norm_rms_eps(spec.rms_eps)
-    w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(spec.n_rot)
-    if spec.n_embd_head * spec.n_head != spec.n_embd:
+    if attention:
+        w.add_rope_freq_base(spec.rope_base)
+        w.add_rope_dimension_count(spec.n_rot)
+    if attention and spec.n_embd_head * spec.n_head != spec.n_embd:
         w.add_key_length(spec.n_embd_head)
         w.add_value_length(spec.n_embd_head)
     w.add_vocab_size(spec.n_vocab)
@@ -215,13 +222,19 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
 def synth_hparams(spec: SynthSpec) -> HParams:
     """The hparams llamir loads from the model `spec` describes (the shapes its tensor specs need)."""
     spec = with_arch_defaults(spec)
+    arch = ARCHS[spec.arch]()
     n, hd = spec.n_layer, spec.n_embd_head
-    return HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
-                   n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(spec.n_head,) * n,
-                   n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
-                   f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
-                   rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
-                   n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
+    heads, heads_kv = (spec.n_head, spec.n_head_kv) if arch.has_attention else (0, 0)
+    hp = HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
+                 n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(heads,) * n,
+                 n_head_kv_arr=(heads_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
+                 f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
+                 rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
+                 n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
+    extra = arch.synth_extra(spec)
+    if extra is not None:
+        hp.extra = extra
+    return hp
 
 
 def with_arch_defaults(spec: SynthSpec) -> SynthSpec:

@@ -86,6 +86,8 @@ class Architecture(ABC):
 
     name: ClassVar[str]
     rope_type: ClassVar[int] = ROPE_NORM
+    # False for a model without attention heads (mamba): synth writes head counts of 0
+    has_attention: ClassVar[bool] = True
     # tensors llama.cpp's loader for this architecture reads (optionally) that llamir does not
     # implement; "{il}" stands for a layer index
     unimplemented_tensors: ClassVar[tuple[str, ...]] = ()
@@ -129,6 +131,11 @@ class Architecture(ABC):
 
     def synth_check(self, spec) -> None:
         """Refuse a SynthSpec this architecture cannot be written with (a ValueError naming it)."""
+        return None
+
+    def synth_extra(self, spec):
+        """hp.extra of a synthetic model (what load_hparams would read back), for tensor_specs;
+        None: the architecture's specs need none."""
         return None
 
     def synth_name(self, spec) -> str:
