@@ -135,7 +135,7 @@ class Mamba(Architecture):
         skip = x
         x = b.reshape(x, ns, nt, d_inner, 1)                                          # [S, t, n_head, head_dim]
         states = b.reshape(s_all, rs.layout.size, d_inner, 1, d_state)                # [size, n_head, 1, d_state]
-        y_ssm = b.ssm_scan(states, x, dt, L.ssm_a, B, C, rs.ids)        # [S*t*d_inner + S*d_inner*d_state]
+        y_ssm = b.ssm_scan(states, x, dt, L.ssm_a, B, C, rs.ids)   # [S*t*d_inner + S*d_inner*d_state]
         last_s = b.view(y_ssm, [ns, d_inner * d_state], [d_inner * d_state * 4, 4], dims.prod([ns, nt, d_inner, 4]))
         rs.store(s_all, last_s, name=("ssm_state", il))
         y = b.view(y_ssm, [ns, nt, d_inner], [dims.mul(nt, d_inner * 4), d_inner * 4, 4], 0)   # [S, t, d_inner]
