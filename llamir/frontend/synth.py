@@ -34,7 +34,7 @@ ARCHS = arch_registry
 # SynthSpec fields (with their defaults) that only the architectures naming them in synth_options take
 # (swa_pattern is read only with a sliding_window, so it is not refused on its own)
 ARCH_OPTIONS = {"sliding_window": None, "n_expert": 0, "n_expert_used": 0, "n_ff_exp": None, "n_ff_shexp": None,
-                "partial_rotary": None, "norm_eps": None}
+                "partial_rotary": None, "norm_eps": None, "fused_qkv": False}
 # general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
 # of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
 MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -115,6 +115,7 @@ class SynthSpec:
     n_ff_shexp: int | None = None      # MoE with a shared expert: its ffn width (None: n_ff)
     partial_rotary: float | None = None  # the rotated share of each head (stablelm, phi2); None: all
     norm_eps: float | None = None      # LayerNorm epsilon ({arch}.attention.layer_norm_epsilon)
+    fused_qkv: bool = False            # bert: one attn_qkv projection per block instead of attn_q/k/v
 
     @property
     def n_embd_head(self) -> int:
@@ -216,12 +217,17 @@ def synth_hparams(spec: SynthSpec) -> HParams:
     """The hparams llamir loads from the model `spec` describes (the shapes its tensor specs need)."""
     spec = with_arch_defaults(spec)
     n, hd = spec.n_layer, spec.n_embd_head
-    return HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
-                   n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(spec.n_head,) * n,
-                   n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
-                   f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
-                   rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
-                   n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
+    hp = HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
+                 n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(spec.n_head,) * n,
+                 n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
+                 f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
+                 rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
+                 n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
+    # an architecture whose tensor shapes read its own hparams (bert) says what they are for `spec`
+    synth_extra = getattr(ARCHS.get(spec.arch), "synth_extra", None)
+    if synth_extra is not None:
+        hp.extra = synth_extra(ARCHS[spec.arch](), spec)
+    return hp
 
 
 def with_arch_defaults(spec: SynthSpec) -> SynthSpec:
