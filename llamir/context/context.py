@@ -211,6 +211,8 @@ class Context:
         the call; an abort (2) keeps the ubatches already computed, as llama.cpp does. Pending
         K-shifts and stream copies are applied first, as in llama.cpp, and stay applied (they
         change no logits). Nothing but a status comes back: the reason is in `last_error`."""
+        if self.memory is None:   # a model without memory (bert) cannot decode: llama.cpp encodes
+            return self.encode(batch)
         self.last_error = ""
         try:
             return self._decode(batch)
@@ -330,6 +332,8 @@ class Context:
         bindings = {"n_out": n_outputs}
         if mctx is not None:
             bindings.update(mctx.bindings(ubatch.n_tokens))
+        elif "n_kv" in graph.dim_names:   # no memory (encode): what attention sees is the ubatch
+            bindings["n_kv"] = ubatch.n_tokens
         if "T" in graph.dim_names:
             bindings["T"] = ubatch.n_tokens
         if "n_seqs" in graph.dim_names:

@@ -34,8 +34,8 @@ ARCHS = arch_registry
 # SynthSpec fields (with their defaults) that only the architectures naming them in synth_options take
 # (swa_pattern is read only with a sliding_window, so it is not refused on its own)
 ARCH_OPTIONS = {"sliding_window": None, "n_expert": 0, "n_expert_used": 0, "n_ff_exp": None, "n_ff_shexp": None,
-                "partial_rotary": None, "norm_eps": None, "ssm_d_state": None, "ssm_d_conv": None,
-                "ssm_dt_rank": None}
+                "partial_rotary": None, "norm_eps": None, "fused_qkv": False, "ssm_d_state": None,
+                "ssm_d_conv": None, "ssm_dt_rank": None}
 # general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
 # of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
 MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -116,6 +116,7 @@ class SynthSpec:
     n_ff_shexp: int | None = None      # MoE with a shared expert: its ffn width (None: n_ff)
     partial_rotary: float | None = None  # the rotated share of each head (stablelm, phi2); None: all
     norm_eps: float | None = None      # LayerNorm epsilon ({arch}.attention.layer_norm_epsilon)
+    fused_qkv: bool = False            # bert: one attn_qkv projection per block instead of attn_q/k/v
     ssm_d_state: int | None = None     # mamba: the scan state per channel (ssm.state_size)
     ssm_d_conv: int | None = None      # mamba: the conv window (ssm.conv_kernel)
     ssm_dt_rank: int | None = None     # mamba: the step-size projection's rank (ssm.time_step_rank)

@@ -2,6 +2,7 @@
 
 # one line per architecture module (registration on import)
 from llamir.frontend.arch import (
+    bert,  # noqa: F401
     gemma2,  # noqa: F401
     gemma3,  # noqa: F401
     gpt2,  # noqa: F401
