@@ -491,10 +491,11 @@ class Context:
             self.reserve()
         cg = self.runner.compiled(self.graph_config(True))
         placement, sched = cg.placement, self.runner.sched
+        memory_buffers = self.memory.buffers if self.memory is not None else {}
         out: dict[str, dict[str, int]] = {}
         for b in placement.backends:
             out[b.label] = {"model": placement.weight_bytes.get(b.label, 0),
-                            "context": sum(buf.nbytes for name, buf in self.memory.buffers.items()
+                            "context": sum(buf.nbytes for name, buf in memory_buffers.items()
                                            if placement.state.get(name) == b.label),
                             "compute": sched.buffer_sizes().get(b.label, 0)}
         return out

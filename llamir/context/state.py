@@ -198,7 +198,8 @@ def write_state(ctx) -> bytes:
     """llama_state_get_data: the architecture name, then the memory."""
     w = Writer()
     w.string(ctx.model.hparams.arch)
-    ctx.memory.state_write(w)
+    if ctx.memory is not None:   # a memory-less encoder's state is its architecture name alone
+        ctx.memory.state_write(w)
     return w.getvalue()
 
 
@@ -223,10 +224,11 @@ def _read_state(ctx, r: Reader, with_outputs: bool) -> int:
     if arch != ctx.model.hparams.arch:
         raise StateError(f"wrong model arch: '{arch}' instead of '{ctx.model.hparams.arch}' (byte {at})")
     outputs = _read_outputs(r, ctx) if with_outputs else None
-    states = ctx.memory.state_parse(r, None)
+    states = ctx.memory.state_parse(r, None) if ctx.memory is not None else None
     r.expect_end("state")
     _apply_outputs(ctx.outputs, outputs)
-    ctx.memory.state_apply(states, -1)
+    if ctx.memory is not None:
+        ctx.memory.state_apply(states, -1)
     return r.pos
 
 
@@ -299,11 +301,15 @@ def read_seq_state(ctx, data, dest_seq_id, flags=0) -> int:
 
 def _seq_memory(ctx, seq_id: int, flags: int) -> bytes:
     w = Writer()
-    ctx.memory.state_write(w, seq_id, flags)
+    if ctx.memory is not None:
+        ctx.memory.state_write(w, seq_id, flags)
     return w.getvalue()
 
 
 def _read_seq_memory(ctx, r: Reader, dest_seq_id: int, flags: int, source: SeqSource) -> int:
+    if ctx.memory is None:
+        r.expect_end("sequence state")
+        return r.pos
     states = ctx.memory.state_parse(r, source, flags)
     r.expect_end("sequence state")
     ctx.memory.state_apply(states, dest_seq_id)

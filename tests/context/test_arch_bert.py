@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import struct
 
 import numpy as np
 import pytest
@@ -283,3 +284,13 @@ def test_synth_refuses_heads_that_do_not_tile_the_embedding(tmp_path):
         write_model(tmp_path / "x.gguf", SynthSpec(arch="bert", head_dim=32))
     with pytest.raises(ValueError, match="fused_qkv is a bert setting, not llama's"):
         write_model(tmp_path / "y.gguf", SynthSpec(arch="llama", fused_qkv=True))
+
+
+def test_a_memory_less_context_saves_its_state_and_reports_its_memory(tmp_path):
+    """An encoder keeps no memory: its state is the architecture name alone, and restores."""
+    path = write_model(tmp_path / "m.gguf", SynthSpec(arch="bert", n_layer=1))
+    ctx = llamir.Context(llamir.load_model(path), embeddings=True, pooling_type="mean")
+    data = ctx.state_get_data()
+    assert data == struct.pack("<I", 4) + b"bert"
+    assert ctx.state_set_data(data) == len(data)
+    assert all(v["context"] == 0 for v in ctx.memory_breakdown().values())
