@@ -269,16 +269,17 @@ class InputRS(GraphInput):
         put_input(values, "rs_dst", mctx.head + _iota(mctx.n_rs), _I32)
 
     def rebind(self, mctx) -> None:
-        self.mctx = mctx
+        self.mctx = mctx.recurrent
 
     def can_reuse(self, params):
         return True   # the cell range is an input and a bound dim, not part of the graph
 
 
 def _rs(spec, env) -> GraphInput:
-    if env.mctx is None or not hasattr(env.mctx, "s_copy"):
+    recurrent = getattr(env.mctx, "recurrent", None)
+    if recurrent is None:
         raise ValueError("the graph reads recurrent state, but the context's memory keeps none")
-    return InputRS(env.mctx)
+    return InputRS(recurrent)
 
 
 @dataclass(frozen=True)

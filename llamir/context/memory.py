@@ -181,9 +181,21 @@ def _recurrent(hp, cp, common, arch) -> Memory:
     return RecurrentMemory(arch.recurrent_layout(hp, max(1, cp.n_seq_max)), cp.n_seq_max)
 
 
+def _hybrid(hp, cp, common, arch) -> Memory:
+    """llama_memory_hybrid: a KV cache of the attention layers, a recurrent memory of the others."""
+    from llamir.context.kv_cache import KVCache
+    from llamir.context.memory_hybrid import HybridMemory
+    from llamir.context.memory_recurrent import RecurrentMemory
+
+    layout = arch.recurrent_layout(hp, max(1, cp.n_seq_max))
+    attn_layers = tuple(il for il in range(hp.n_layer) if il not in layout.layers)
+    return HybridMemory(KVCache(hp, cp.n_ctx_seq, layers=attn_layers, **common),
+                        RecurrentMemory(layout, cp.n_seq_max))
+
+
 # The kinds Architecture.create_memory may name; "none": an encoder keeps nothing between batches.
 MEMORY_KINDS: dict[str, Callable[..., Memory] | None] = {"kv": _kv, "kv_iswa": _kv_iswa, "recurrent": _recurrent,
-                                                         "none": None}
+                                                         "hybrid": _hybrid, "none": None}
 
 
 def create_memory(kind: str, hp, cparams, arch=None) -> Memory | None:

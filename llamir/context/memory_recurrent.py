@@ -434,6 +434,11 @@ class RecurrentContext:
         return []   # no KV cache
 
     @property
+    def recurrent(self) -> RecurrentContext:
+        """The recurrent part of this memory context (itself; a hybrid one has two parts)."""
+        return self
+
+    @property
     def head(self) -> int:
         return 0 if self.full else self.memory.head
 

@@ -39,10 +39,10 @@ def test_the_architecture_chooses_the_memory(models, arch, kind, cls):
 def test_an_unknown_kind_is_a_clear_error(models):
     model = models["llama"]
     ctx = llamir.Context(model, n_ctx=64)
-    with pytest.raises(ValueError, match="memory of kind 'paged'; the context makes kv, kv_iswa, none, recurrent"):
+    with pytest.raises(ValueError, match="kind 'paged'; the context makes hybrid, kv, kv_iswa, none, recurrent"):
         create_memory("paged", model.hparams, ctx.cparams)
     assert create_memory("none", model.hparams, ctx.cparams) is None
-    assert set(MEMORY_KINDS) == {"kv", "kv_iswa", "recurrent", "none"}
+    assert set(MEMORY_KINDS) == {"kv", "kv_iswa", "recurrent", "hybrid", "none"}
 
 
 def test_a_memory_kind_implements_the_sequence_operations():
