@@ -192,7 +192,8 @@ def _load_head_sizes(f: GGUFFile, arch: str, n_embd: int, n_head_arr: tuple[int,
     for il, (h, hkv) in enumerate(zip(n_head_arr, n_head_kv_arr, strict=True)):
         # ggml's mul_mat broadcasts KV heads over query heads only by whole multiples (llama.cpp
         # loads such a file and aborts when it builds the attention)
-        _require(f, (h == 0 and hkv == 0) or (hkv > 0 and h % hkv == 0),
+        # (n_head_kv 0: a layer without attention, as a hybrid model's recurrent layers)
+        _require(f, hkv == 0 or (h > 0 and h % hkv == 0),
                  f"layer {il}: n_head {h} is not a multiple of n_head_kv {hkv}")
     return head_k, head_v, n_rot
 

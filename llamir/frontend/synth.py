@@ -197,7 +197,8 @@ def _add_hparams(w: gguf.GGUFWriter, spec: SynthSpec) -> None:
     attention = ARCHS[spec.arch].has_attention
     w.add_feed_forward_length(spec.n_ff if attention else 0)
     w.add_head_count(spec.n_head if attention else 0)
-    w.add_head_count_kv(spec.n_head_kv if attention else 0)
+    kv_heads = ARCHS[spec.arch]().synth_kv_heads(spec)
+    w.add_head_count_kv(kv_heads[0] if len(set(kv_heads)) == 1 else list(kv_heads))
     w.add_layer_norm_rms_eps(spec.rms_eps)
     if attention:
         w.add_rope_freq_base(spec.rope_base)
@@ -225,10 +226,10 @@ def synth_hparams(spec: SynthSpec) -> HParams:
     spec = with_arch_defaults(spec)
     arch = ARCHS[spec.arch]()
     n, hd = spec.n_layer, spec.n_embd_head
-    heads, heads_kv = (spec.n_head, spec.n_head_kv) if arch.has_attention else (0, 0)
+    heads = spec.n_head if arch.has_attention else 0
     hp = HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
                  n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(heads,) * n,
-                 n_head_kv_arr=(heads_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
+                 n_head_kv_arr=arch.synth_kv_heads(spec), n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
                  f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
                  rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
                  n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)

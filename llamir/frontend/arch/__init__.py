@@ -6,6 +6,7 @@ from llamir.frontend.arch import (
     gemma2,  # noqa: F401
     gemma3,  # noqa: F401
     gpt2,  # noqa: F401
+    jamba,  # noqa: F401
     llama,  # noqa: F401
     mamba,  # noqa: F401
     phi3,  # noqa: F401

@@ -133,6 +133,11 @@ class Architecture(ABC):
         """Refuse a SynthSpec this architecture cannot be written with (a ValueError naming it)."""
         return None
 
+    def synth_kv_heads(self, spec) -> tuple[int, ...]:
+        """head_count_kv of each layer of a synthetic model (a hybrid model's are 0 where the
+        layer is recurrent)."""
+        return (spec.n_head_kv if self.has_attention else 0,) * spec.n_layer
+
     def synth_extra(self, spec):
         """hp.extra of a synthetic model (what load_hparams would read back), for tensor_specs;
         None: the architecture's specs need none."""
