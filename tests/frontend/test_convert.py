@@ -39,7 +39,7 @@ CONTROL, NORMAL, UNUSED = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL
 
 # The engines the embedding checks run on. The lead adds "llamir" here once the bert architecture
 # is in: embeddings() below already drives it through the public API.
-ENGINES = ["llama.cpp"]
+ENGINES = ["llama.cpp", "llamir"]
 
 
 def embeddings(engine: str, path: Path, token_lists: list[list[int]], pooling: str | None = None) -> np.ndarray:
