@@ -485,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that live in their own modules: each has add_parser(subparsers).
-EXTRA_COMMANDS = [m for m in ("llamir.cli_splits", "llamir.cli_bench", "llamir.cli_backend_ops", "llamir.cli_backends")
+EXTRA_COMMANDS = [m for m in ("llamir.cli_splits", "llamir.cli_bench", "llamir.cli_backend_ops", "llamir.cli_backends",
+                               "llamir.cli_embed")
                   if __import__("importlib.util").util.find_spec(m) is not None]
 
 
