@@ -155,6 +155,17 @@ class GraphBuilder:
         inputs = [q, k, v] + [t for t in (mask, sinks) if t is not None]
         return self.op(op, *inputs, name=name)
 
+    # -- state-space models -------------------------------------------------------------------
+    def ssm_conv(self, sx: Node, c: Node, name: Name = None) -> Node:
+        """ggml_ssm_conv: sx [n_s, d_inner, d_conv - 1 + n_t], c [d_inner, d_conv] -> [n_s, n_t, d_inner]."""
+        return self.op(ops.SsmConv(), sx, c, name=name)
+
+    def ssm_scan(self, s: Node, x: Node, dt: Node, A: Node, B: Node, C: Node, ids: Node, K: int = 1,
+                 name: Name = None) -> Node:
+        """ggml_ssm_scan: states s [n_rs, H, hd, ds], x [n_s, n_t, H, hd], dt [n_s, n_t, H], A [H, ds] or
+        [H, 1], B and C [n_s, n_t, G, ds], ids i32 [n_s] -> 1-D: y (x's elements), then K*n_s states."""
+        return self.op(ops.SsmScan(K=int(K)), s, x, dt, A, B, C, ids, name=name)
+
     # -- layout -------------------------------------------------------------------------------
     def view(self, x: Node, shape: Sequence[Dim], strides: Sequence[Dim], offset: Dim = 0,
              name: Name = None) -> Node:

@@ -336,3 +336,4 @@ def _repeat(ctx, node, args, bindings):
 
 from llamir.ir import interp_attention as _attention  # noqa: E402,F401  (registers flash_attn_ext)
 from llamir.ir import interp_nn as _nn  # noqa: E402,F401  (registers the matmul, rope and softmax kernels)
+from llamir.ir import interp_ssm as _ssm  # noqa: E402,F401  (registers ssm_conv and ssm_scan)

@@ -23,6 +23,7 @@ from llamir.ir import Interpreter, ops
 from llamir.ir.interp_kernels import to_f32
 from llamir.testing import backend_ops_cases as elementwise
 from llamir.testing import backend_ops_cases_nn as nn
+from llamir.testing import backend_ops_cases_ssm as ssm
 from llamir.testing.backend_ops_cases import UNCOVERED, Case
 
 OK, FAIL, NOT_SUPPORTED = "OK", "FAIL", "not supported"
@@ -30,6 +31,7 @@ CASE_GROUPS: tuple[Callable[[], Iterator[Case]], ...] = (
     elementwise.unary_cases, elementwise.binary_cases, elementwise.glu_cases, elementwise.scalar_cases,
     elementwise.norm_cases, elementwise.reduce_cases, nn.layout_cases, nn.cpy_cases, nn.rows_cases,
     nn.mul_mat_cases, nn.mul_mat_id_cases, nn.rope_cases, nn.soft_max_cases, nn.attention_cases,
+    ssm.ssm_conv_cases, ssm.ssm_scan_cases,
 )
 
 

@@ -9,6 +9,9 @@ imported until `LibGgml.load()` is called) and runs tiny graphs:
         y = g.op("ggml_soft_max_ext", x, None, g.f(0.125), g.f(0.0))
         out = g.compute(y)                # -> numpy, same axis order as the inputs
 
+Floats go as g.f(x), int64_t and size_t parameters as g.i64(n) and g.size(n) (a plain int is a
+C int): g.op("ggml_ssm_scan", s, x, dt, A, B, C, ids, g.i64(1)).
+
 Shapes are numpy's everywhere: a numpy array [a, b, c] is the ggml tensor ne = {c, b, a, 1}.
 
 `gg.backend_graph()` runs the same kind of graph the way llama.cpp does, through ggml-backend:
@@ -196,6 +199,16 @@ class GgmlGraph:
     def f(x: float) -> ctypes.c_float:
         return ctypes.c_float(x)
 
+    @staticmethod
+    def i64(x: int) -> ctypes.c_int64:
+        """An int64_t argument (ggml_ssm_scan's K, ggml_view_*'s ne): plain ints pass as int."""
+        return ctypes.c_int64(x)
+
+    @staticmethod
+    def size(x: int) -> ctypes.c_size_t:
+        """A size_t argument (ggml_view_*'s byte strides and offset)."""
+        return ctypes.c_size_t(x)
+
     def tensor(self, value: np.ndarray | Raw) -> TensorP:
         """A new tensor filled with `value` (float32/float16/int32 arrays, or Raw bytes)."""
         t, data = new_tensor(self.lib, self.ctx, value)
@@ -272,9 +285,9 @@ class BackendGraph:
         self._contexts.append(ctx)
         return ctx
 
-    @staticmethod
-    def f(x: float) -> ctypes.c_float:
-        return ctypes.c_float(x)
+    f = staticmethod(GgmlGraph.f)
+    i64 = staticmethod(GgmlGraph.i64)
+    size = staticmethod(GgmlGraph.size)
 
     def tensor(self, value: np.ndarray | Raw) -> TensorP:
         """An input tensor (activations, ids, a KV cache), filled when the graph is computed."""
@@ -380,6 +393,8 @@ def read(t: TensorP) -> np.ndarray:
 
 
 def _arg(a):
+    """A builder argument as ctypes passes it: None is NULL, bool a C bool, int a C int (32-bit:
+    wrap int64_t and size_t parameters with GgmlGraph.i64 / GgmlGraph.size)."""
     if a is None:
         return ctypes.c_void_p(None)
     if isinstance(a, bool):

@@ -95,6 +95,13 @@ def every_op_graph() -> GraphBuilder:
     b.output("ln", b.op(ops.OPS["norm_mul_add"](eps=1e-5), h, fw, b.weight("fb", [16], F32)))
     vt = b.cont(b.transpose(k4))                                                    # [1, 2, 8, n_kv]
     b.output("attn2", b.op(ops.OPS["soft_max_attn"](scale=0.35), q4, k4, vt, b.cast(mask, F32)))
+    # a Mamba-2 block's conv and scan
+    conv = b.ssm_conv(b.input("conv_x", [2, 4, 6], F32), b.weight("conv_w", [4, 3], F32))   # [2, 4, 4]
+    scan = b.ssm_scan(b.state("ssm_s", [3, 2, 2, 4], F32), b.reshape(conv, 2, 4, 2, 2),
+                      b.input("ssm_dt", [2, 4, 2], F32), b.weight("ssm_a", [2, 1], F32),
+                      b.input("ssm_b", [2, 4, 1, 4], F32), b.input("ssm_c", [2, 4, 1, 4], F32),
+                      b.input("ssm_ids", [2], I32), K=2)
+    b.output("ssm", scan)
     return b
 
 
@@ -115,7 +122,7 @@ def test_every_op_graph_evaluates_to_the_storage_form_of_its_types():
     graph = every_op_graph().graph
     rng = np.random.default_rng(0)
     env = {"T": 3, "n_kv": 5}
-    ints = {"pos": (0, 5), "kv_idx": (0, 8), "ids": (0, 3)}   # pos also indexes the 5-row emb
+    ints = {"pos": (0, 5), "kv_idx": (0, 8), "ids": (0, 3), "ssm_ids": (0, 3)}   # pos also indexes the 5-row emb
     leaf_values = {}
     for leaf in graph.leafs:
         shape = leaf.type.evaluate(env)

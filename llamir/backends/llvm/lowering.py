@@ -178,4 +178,5 @@ from llamir.backends.llvm.kernels import (  # noqa: E402,F401
     matmul_lower,
     rope_lower,
     rows_lower,
+    ssm_lower,
 )
