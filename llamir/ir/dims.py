@@ -31,7 +31,7 @@ class Sym:
         for coef, factors in self.terms:
             body = "*".join(factors)
             parts.append(str(coef) if not factors else body if coef == 1 else f"{coef}*{body}")
-        return "+".join(parts)
+        return "".join(p if i == 0 or p.startswith("-") else "+" + p for i, p in enumerate(parts))
 
     def __repr__(self) -> str:
         return f"Sym({self})"

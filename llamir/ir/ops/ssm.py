@@ -17,7 +17,7 @@ from typing import ClassVar
 from llamir.ir import dims
 from llamir.ir.dims import Dim
 from llamir.ir.dtypes import F32, I32
-from llamir.ir.ops.base import IRError, Op, register_op, require
+from llamir.ir.ops.base import Op, register_op, require
 from llamir.ir.types import TensorType
 
 INT32_MAX = 2**31 - 1
@@ -28,26 +28,17 @@ def _f32(t: TensorType, what: str) -> None:
 
 
 def window_tokens(window: Dim, d_conv: Dim) -> Dim:
-    """n_t = window - d_conv + 1: the tokens of a window of `window` columns (ggml_ssm_conv)."""
-    if isinstance(window, int) and isinstance(d_conv, int):
-        require(window >= d_conv - 1, f"a window of {window} columns is shorter than d_conv - 1 = {d_conv - 1}")
-        return window - d_conv + 1
-    if d_conv == 1:
-        return window
-    raise IRError(f"n_t = {window} - {d_conv} + 1 is not a dim (dims are monomials): the window axis and "
-                  "the taps need concrete lengths (bind n_t)")
-
-
-def dim_sum(a: Dim, b: Dim) -> Dim:
-    """a + b where it is a dim: two ints, or two monomials over the same names (3*T + 5*T = 8*T)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a + b
-    names = dims.names(a)
-    if names and names == dims.names(b):
-        ones = {n: 1 for n in names}
-        coef_a, coef_b = dims.substitute(a, ones), dims.substitute(b, ones)
-        return dims.mul(coef_a + coef_b, dims.div(a, coef_a))
-    raise IRError(f"{a} + {b} is not a dim (dims are monomials): bind the dims that differ")
+    """n_t = window - (d_conv - 1): the tokens of a window of `window` columns (ggml_ssm_conv);
+    for a symbolic window (`rs_seq_tokens+3`) the difference is a dim when d_conv is concrete."""
+    require(isinstance(d_conv, int), f"the conv width d_conv = {d_conv} must be concrete")
+    n_t = dims.add(window, 1 - d_conv)
+    if isinstance(n_t, int):
+        require(n_t >= 0, f"a window of {window} columns is shorter than d_conv - 1 = {d_conv - 1}")
+    else:
+        require(all(c > 0 for c, _ in dims.terms(n_t)),
+                f"a window of {window} columns holds n_t = {n_t} tokens, which is not a size: build the window "
+                f"as n_t+{d_conv - 1} columns (the cached columns, then the tokens)")
+    return n_t
 
 
 @register_op
@@ -116,4 +107,4 @@ class SsmScan(Op):
             require(A.shape[1] == d_state, f"A {A} must be [{n_head}, {d_state}] (Mamba-1) or [{n_head}, 1] (Mamba-2)")
             require(self.K == 1, f"K = {self.K}: state snapshots need Mamba-2's A [n_head, 1], got {A}")
         states = dims.prod((self.K, n_s, n_head, head_dim, d_state))
-        return TensorType((dim_sum(x.numel, states),), F32)
+        return TensorType((dims.add(x.numel, states),), F32)
