@@ -84,7 +84,7 @@ def test_text_round_trip():
     (([2, 6, 8], F32), ([1, 6, 4], F32), r"c must be \[d_inner, d_conv\], got f32\[1,6,4\]"),
     (([2, 5, 8], F32), ([6, 4], F32), r"sx f32\[2,5,8\] has 5 channels but c f32\[6,4\] has 6"),
     (([2, 6, 2], F32), ([6, 4], F32), r"a window of 2 columns is shorter than d_conv - 1 = 3"),
-    (([2, 6, "T"], F32), ([6, 4], F32), r"a window of T columns holds n_t = T\+-3 tokens, which is not a size"),
+    (([2, 6, "T"], F32), ([6, 4], F32), r"a window of T columns holds n_t = T-3 tokens, which is not a size"),
 ])
 def test_ssm_conv_rejects(sx, c, message):
     b = GraphBuilder("conv", dims=["T"])
