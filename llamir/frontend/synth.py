@@ -34,7 +34,7 @@ ARCHS = arch_registry
 # SynthSpec fields (with their defaults) that only the architectures naming them in synth_options take
 # (swa_pattern is read only with a sliding_window, so it is not refused on its own)
 ARCH_OPTIONS = {"sliding_window": None, "n_expert": 0, "n_expert_used": 0, "n_ff_exp": None, "n_ff_shexp": None,
-                "partial_rotary": None, "norm_eps": None}
+                "partial_rotary": None, "norm_eps": None, "n_dec_layer": None, "gated_ffn": None}
 # general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
 # of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
 MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -115,6 +115,8 @@ class SynthSpec:
     n_ff_shexp: int | None = None      # MoE with a shared expert: its ffn width (None: n_ff)
     partial_rotary: float | None = None  # the rotated share of each head (stablelm, phi2); None: all
     norm_eps: float | None = None      # LayerNorm epsilon ({arch}.attention.layer_norm_epsilon)
+    n_dec_layer: int | None = None     # t5: decoder blocks (decoder_block_count; None: n_layer, key unwritten)
+    gated_ffn: bool | None = None      # t5: False writes no ffn_gate (the original T5's relu ffn); None: gated
 
     @property
     def n_embd_head(self) -> int:
@@ -221,7 +223,8 @@ def synth_hparams(spec: SynthSpec) -> HParams:
                    n_head_kv_arr=(spec.n_head_kv,) * n, n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
                    f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
                    rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
-                   n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
+                   n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0,
+                   extra=ARCHS[spec.arch]().synth_extra(spec))
 
 
 def with_arch_defaults(spec: SynthSpec) -> SynthSpec:
@@ -366,7 +369,8 @@ def _tensors(spec: SynthSpec):
     rng = np.random.default_rng(spec.seed)
     storage = {"weight": spec.dtype, "embd": spec.embd_dtype or spec.dtype, "f32": "f32"}
     for t in ARCHS[spec.arch]().tensor_specs(synth_hparams(spec)):
-        if t.in_synth and not (spec.tied and t.name == "output.weight"):
+        ungated = spec.gated_ffn is False and t.name.endswith(".ffn_gate.weight") and not t.required
+        if t.in_synth and not (spec.tied and t.name == "output.weight") and not ungated:
             yield _typed(t.name, _INIT[t.init_rule](rng, t.shape, t.gain), storage[t.storage_kind])
 
 
