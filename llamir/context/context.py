@@ -15,7 +15,7 @@ from llamir.backends import Backend, BackendError, DeviceType, get_backend
 from llamir.backends.registry import backend_from_spec, get_registry
 from llamir.context import state
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
-from llamir.context.graph_inputs import GraphParams, GraphResult, build_inputs
+from llamir.context.graph_inputs import CrossState, GraphParams, GraphResult, build_inputs
 from llamir.context.kv_cache import MemoryStatus
 from llamir.context.memory import Memory, create_memory
 from llamir.context.memory_update import MemoryUpdater
@@ -114,6 +114,8 @@ class Context:
         self.cb_eval: Callable[[str, np.ndarray | None, bool], bool] | None = None
         self.perf_counters = Perf(enabled=not self.cparams.no_perf, t_load_ms=getattr(model, "t_load_ms", 0.0))
         self._prev: GraphResult | None = None
+        # an encoder-decoder's encoder output, kept by encode() for the decoder (llama_context::cross)
+        self.cross: CrossState | None = None
         self._token_step: TokenStep | None = None
         self._last_bindings: dict[str, int] = {}
         # a generated token skips the general path's bookkeeping (llamir.context.token_step); the
@@ -155,7 +157,8 @@ class Context:
         recurrent = None if encoder else getattr(self.memory, "rs_layout", None)
         return GraphConfig(memory=memory, recurrent=recurrent, rope=cp.rope, flash_attn=cp.flash_attn,
                            causal_attn=cp.causal_attn and not encoder, input_kind="tokens" if has_tokens else "embd",
-                           embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none")
+                           embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none",
+                           gtype="encoder" if encoder else "decoder")
 
     def compiled_graph(self, config: GraphConfig):
         """The symbolic graph for `config`, placed and (CPU only) compiled, built once and kept."""
@@ -172,6 +175,7 @@ class Context:
         if "rs_seqs" in names:   # recurrent: n_seqs equal runs over every cell
             b.update(rs_seqs=n_seqs, rs_seq_tokens=max(1, n_tokens // n_seqs), n_rs=memory.rs_layout.size)
             b["n_out"] = n_seqs * b["rs_seq_tokens"]
+        b["n_enc"] = self.model.hparams.n_ctx_train   # the cross input before any encode, as llama.cpp sizes it
         if "ns" in names:
             ns = min(n_seqs, self.cparams.n_seq_max)
             b.update(ns=ns, T_s=max(1, n_tokens // ns), s0=0)
@@ -221,6 +225,10 @@ class Context:
             return self._fail(DECODE_COMPUTE, f"internal error: {type(err).__name__}: {err}")
 
     def _decode(self, batch: Batch) -> int:
+        if self.model.arch.has_encoder and self.cross is None:
+            # llama.cpp asserts ("llama_encode must be called first") and aborts
+            return self._fail(DECODE_INVALID, f"{self.model.hparams.arch}: the decoder attends to the encoder "
+                                              "output: call encode() before decode()")
         if self._token_step is not None and self.fast_token_decode:
             status = self._token_step.decode(batch)
             if status is not None:
@@ -312,6 +320,8 @@ class Context:
         status, message, out = self._compute(cg, values, bindings, ubatch.n_tokens)
         if status == DECODE_OK:
             self._extract(ubatch, out, n_outputs, n_outputs_prev)
+            if encoder and self.model.arch.has_encoder:   # the decoder's cross input until the next encode
+                self.cross = CrossState.of(out["embd"], ubatch.seq_ids)
         return status, message
 
     def _compute(self, cg, values: dict, bindings: dict[str, int], n_tokens: int,
@@ -338,6 +348,8 @@ class Context:
             bindings["T"] = ubatch.n_tokens
         if "n_seqs" in graph.dim_names:
             bindings["n_seqs"] = ubatch.n_seqs_unq
+        if "n_enc" in graph.dim_names:
+            bindings["n_enc"] = self.cross.n_enc
         return bindings
 
     def _extract(self, ubatch: UBatch, out: dict, n_outputs: int, row0: int) -> None:
@@ -382,8 +394,8 @@ class Context:
 
     def _encode(self, batch: Batch) -> int:
         hp = self.model.hparams
-        try:
-            self.balloc.init(batch, hp.n_vocab, None, hp.n_embd, self.cparams.n_seq_max, True)
+        try:   # positions are checked against the memory (a t5's decoder cells), as llama.cpp's are
+            self.balloc.init(batch, hp.n_vocab, self.memory, hp.n_embd, self.cparams.n_seq_max, True)
         except BatchError as err:
             return self._fail(DECODE_INVALID, f"invalid batch: {err}")
         if self.cparams.n_ubatch < self.balloc.n_tokens:

@@ -3,8 +3,9 @@ that ties a compiled graph to them (llm_graph_result) with llama.cpp's reuse tes
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -282,16 +283,123 @@ def _rs(spec, env) -> GraphInput:
     return InputRS(recurrent)
 
 
+# llama_relative_position_bucket's max_distance: distances from here on share the last bucket
+REL_POS_MAX_DISTANCE = 128
+
+
+def relative_position_bucket(rel: np.ndarray, n_buckets: int, bidirectional: bool) -> np.ndarray:
+    """llama_relative_position_bucket of rel = key position - query position (t5): bidirectional,
+    half the buckets for keys after the query; causal, keys after it share bucket 0. Distances
+    below max_exact = n/2 (n the buckets of one side) are their own bucket, longer ones go on a log
+    scale up to max_distance:
+        max_exact + floor(log(dist / max_exact) * (n - max_exact) / log(max_distance / max_exact)),
+    capped at n - 1, in llama.cpp's arithmetic (logf of the f32 ratio, the product in f32, the
+    division by the f64 log, the sum rounded to f32 before the floor)."""
+    rel = np.asarray(rel, dtype=np.int64)
+    n = n_buckets >> 1 if bidirectional else n_buckets
+    max_exact = n >> 1
+    if bidirectional:
+        bucket, dist = np.where(rel > 0, n, 0), np.abs(rel)
+    else:
+        bucket, dist = np.zeros_like(rel), np.maximum(-rel, 0)
+    far = np.maximum(dist, max_exact)   # the log branch, taken only where dist >= max_exact
+    ratio = (far / max_exact).astype(np.float32)
+    scaled = np.log(ratio) * np.float32(n - max_exact)                                 # f32
+    total = (max_exact + scaled.astype(np.float64) / math.log(REL_POS_MAX_DISTANCE / max_exact)).astype(np.float32)
+    large = np.minimum(np.floor(total).astype(np.int64), n - 1)
+    return (bucket + np.where(dist < max_exact, dist, large)).astype(np.int32)
+
+
+@dataclass
+class InputPosBucket(GraphInput):
+    """pos_bucket_enc i32 [T, T]: the bidirectional bucket of key i for query j over the ubatch
+    (llm_graph_input_pos_bucket)."""
+
+    n_buckets: int
+    leaf_names = ("pos_bucket_enc",)
+
+    def set_input(self, ubatch, values):
+        pos = ubatch.pos.astype(np.int64)
+        values["pos_bucket_enc"] = relative_position_bucket(pos[None, :] - pos[:, None], self.n_buckets, True)
+
+
+@dataclass
+class InputPosBucketKV(GraphInput):
+    """pos_bucket_dec i32 [T, n_kv]: the causal bucket of cell j for token i, an empty cell at
+    position -1 (masked anyway) (llm_graph_input_pos_bucket_kv, stream 0's cells)."""
+
+    mctx: KVCacheContext
+    n_buckets: int
+    leaf_names = ("pos_bucket_dec",)
+
+    def set_input(self, ubatch, values):
+        cells_pos = self.mctx.cache.v_cells[0].pos[:self.mctx.n_kv].astype(np.int64)   # -1 when empty
+        rel = cells_pos[None, :] - ubatch.pos.astype(np.int64)[:, None]
+        values["pos_bucket_dec"] = relative_position_bucket(rel, self.n_buckets, False)
+
+
+@dataclass(frozen=True)
+class CrossState:
+    """llama_cross: what encode() of an encoder-decoder keeps for the decoder's cross-attention,
+    the encoder output and each encoder token's sequences."""
+
+    embd: np.ndarray                          # [n_enc, n_embd] f32
+    seq_ids: tuple[frozenset[int], ...]       # per encoder token
+
+    @classmethod
+    def of(cls, embd: np.ndarray, seq_ids: Sequence[Sequence[int]]) -> CrossState:
+        embd = np.array(embd, dtype=np.float32)
+        embd.flags.writeable = False
+        return cls(embd, tuple(frozenset(int(s) for s in ids) for ids in seq_ids))
+
+    @property
+    def n_enc(self) -> int:
+        return self.embd.shape[0]
+
+    def allowed(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """[n_enc] bool: the encoder tokens a token of `seq_ids` may attend (a sequence in common)."""
+        ids = set(seq_ids)
+        return np.fromiter((not ids.isdisjoint(enc) for enc in self.seq_ids), dtype=bool, count=self.n_enc)
+
+
+@dataclass
+class InputCrossEmbd(GraphInput):
+    """cross_embd f32 [n_enc, n_embd]: the stored encoder output (llm_graph_input_cross_embd)."""
+
+    cross: CrossState
+    leaf_names = ("cross_embd",)
+
+    def set_input(self, ubatch, values):
+        put_input(values, "cross_embd", self.cross.embd, _F32)
+
+
+@dataclass
+class InputAttnCross(GraphInput):
+    """cross_kq_mask [1, 1, T, n_enc]: 0 where the token shares a sequence with the encoder token,
+    -inf elsewhere (llm_graph_input_attn_cross)."""
+
+    cross: CrossState
+    mask_dtype: np.dtype
+    leaf_names = ("cross_kq_mask",)
+
+    def set_input(self, ubatch, values):
+        allowed = np.stack([self.cross.allowed(ids) for ids in ubatch.seq_ids])          # [T, n_enc]
+        mask = np.where(allowed, np.float32(0), np.float32(-np.inf))
+        values["cross_kq_mask"] = mask[None, None].astype(self.mask_dtype)
+
+
 @dataclass(frozen=True)
 class InputEnv:
     """What an input object is made from besides its spec: the context's settings, the ubatch's
-    graph params and the memory context of this ubatch (None without memory)."""
+    graph params, the memory context of this ubatch (None without memory) and the encoder output
+    the last encode() kept (None before one, or for a model without an encoder)."""
 
     hp: object
     cparams: object
     params: GraphParams
     mctx: object
     causal: bool
+    cross: CrossState | None = None
 
     @property
     def mask_dtype(self) -> np.dtype:
@@ -318,6 +426,22 @@ def _attn_no_cache(spec, env: InputEnv) -> GraphInput:
                             env.hp.swa_type if swa else "none", spec.param("suffix", ""))
 
 
+def _pos_bucket_kv(spec, env: InputEnv) -> GraphInput:
+    if env.mctx is None:
+        raise ValueError("the graph reads the KV cells' positions (pos_bucket_dec), but the context has no memory")
+    return InputPosBucketKV(env.mctx.contexts()[0], int(spec.param("n_buckets")))
+
+
+def _cross(make: Callable[[CrossState, InputEnv], GraphInput]) -> Callable[[InputSpec, InputEnv], GraphInput]:
+    """A filler of an input that reads the encoder output: refused before any encode."""
+    def fill(spec, env: InputEnv) -> GraphInput:
+        if env.cross is None:
+            raise ValueError(f"the graph reads the encoder output ({', '.join(spec.leaves)}): call encode() "
+                             "before decode()")
+        return make(env.cross, env)
+    return fill
+
+
 def _cls(spec, env: InputEnv) -> GraphInput:
     pooling = env.cparams.pooling_type
     return InputCls(last=pooling == "last" or (pooling == "rank" and env.causal))
@@ -333,12 +457,17 @@ INPUT_KINDS: dict[str, Callable[[InputSpec, InputEnv], GraphInput]] = {
     "mean": lambda spec, env: InputMean(),
     "cls": _cls,
     "rs": _rs,
+    "pos_bucket": lambda spec, env: InputPosBucket(int(spec.param("n_buckets"))),
+    "pos_bucket_kv": _pos_bucket_kv,
+    "cross_embd": _cross(lambda cross, env: InputCrossEmbd(cross)),
+    "attn_cross": _cross(lambda cross, env: InputAttnCross(cross, env.mask_dtype)),
 }
 
 
 def build_inputs(ctx, specs, ubatch: UBatch, mctx, params: GraphParams, encoder: bool) -> list[GraphInput]:
     """The input objects of a built graph's input specs, each made by its kind (INPUT_KINDS)."""
-    env = InputEnv(ctx.model.hparams, ctx.cparams, params, mctx, ctx.cparams.causal_attn and not encoder)
+    env = InputEnv(ctx.model.hparams, ctx.cparams, params, mctx, ctx.cparams.causal_attn and not encoder,
+                   ctx.cross)
     inputs = []
     for spec in specs:
         make = INPUT_KINDS.get(spec.kind)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from llamir.frontend.arch.base import ArchError
 from llamir.frontend.built import INPUT_LAYER, BuiltGraph, InputSpec, LayerMap
-from llamir.frontend.graph_kv import KVGraph, KVLayout, NoCacheGraph, TokenDims
+from llamir.frontend.graph_kv import CrossGraph, KVGraph, KVLayout, NoCacheGraph, TokenDims
 from llamir.frontend.graph_rs import RS_DIM_NAMES, RSGraph, RSLayout
 from llamir.frontend.hparams import HParams
 from llamir.frontend.weights import UndeclaredTensorError, Weights
@@ -81,6 +81,8 @@ class GraphConfig:
     embeddings: bool = False     # also output the final hidden state (t_embd)
     pooling: str = "none"        # none | mean | cls | last | rank (applied when embeddings)
     recurrent: RSLayout | None = None   # the recurrent state the graph reads and writes, if any
+    gtype: str = "decoder"       # llm_graph_type: "encoder" for encode(), "decoder" otherwise; an
+                                 # encoder-decoder (t5) builds a different graph for each
 
     @property
     def n_stream(self) -> int:
@@ -90,7 +92,9 @@ class GraphConfig:
         """The graph's symbolic dims. With recurrent state a ubatch is rs_seqs equal runs of
         rs_seq_tokens tokens (T is their product) over n_rs cells."""
         if self.recurrent is not None:
-            names = ("n_kv", "n_out", *RS_DIM_NAMES)
+            names = ("n_out", *RS_DIM_NAMES)
+        elif not self.memory:   # attention over the ubatch: no KV cells to count
+            return tuple(n for n in DIM_NAMES if n != "n_kv")
         else:
             names = DIM_NAMES if self.n_stream == 1 else STREAM_DIM_NAMES
         return names + tuple(lay.n_kv_dim for lay in self.memory if lay.n_kv_dim not in names)
@@ -127,6 +131,9 @@ class GraphContext:
         self._pos: Node | None = None
         self._out_ids: Node | None = None
         self._layer_attn: dict[int, object] = {}
+        self._cross_embd: Node | None = None
+        self._pos_bucket: Node | None = None
+        self.cross: CrossGraph | None = None
         self._inputs: list[InputSpec] = []
         self._marks: list[tuple[int, int, int]] = []   # (layer, first node, first leaf) as blocks begin
         if not config.memory:
@@ -139,10 +146,11 @@ class GraphContext:
             self.kv, self.kv_swa = caches.get(""), caches.get("_swa")
 
     # -- layers -------------------------------------------------------------------------------
-    def layers(self):
+    def layers(self, n_layer: int | None = None):
         """The block indices, each entered in turn: what is built inside block il is in layer il,
-        what comes after the last block in the output layer (n_layer)."""
-        for il in range(self.hp.n_layer):
+        what comes after the last block in the output layer (hp.n_layer). `n_layer` blocks (a
+        decoder with fewer blocks than its encoder), or hp.n_layer."""
+        for il in range(self.hp.n_layer if n_layer is None else n_layer):
             self._enter(il)
             yield il
         self._enter(self.hp.n_layer)
@@ -167,7 +175,7 @@ class GraphContext:
         leafs = {leaf.name: INPUT_LAYER if leaf.kind == "input" else layer_at(i, 2)
                  for i, leaf in enumerate(graph.leafs)}
         inputs = list(self._inputs)
-        for memory in (self.kv, self.kv_swa, self.rs):
+        for memory in (self.kv, self.kv_swa, self.cross, self.rs):
             spec = memory.input_spec() if memory is not None else None
             if spec is not None:
                 inputs.append(spec)
@@ -237,6 +245,37 @@ class GraphContext:
             self._pos = self.b.input("inp_pos", [self.T], I32)
         return self._pos
 
+    def _dim(self, name: str):
+        """A per-batch size the graph gains as an input needs it (n_seqs, n_enc)."""
+        if name not in self.b.graph.dim_names:
+            self.b.graph.dim_names = self.b.graph.dim_names + (name,)
+        return sym(name)
+
+    def inp_cross_embd(self) -> Node:
+        """The encoder output [n_enc, n_embd] that the last encode() stored (llm_graph_input_cross_embd)."""
+        if self._cross_embd is None:
+            self._declare(InputSpec("cross_embd", ("cross_embd",)))
+            self._cross_embd = self.b.input("cross_embd", [self._dim("n_enc"), self.hp.n_embd], F32)
+        return self._cross_embd
+
+    def inp_pos_bucket(self, n_buckets: int) -> Node:
+        """Relative-position buckets (t5), i32: [T, T] bidirectional over the ubatch when the graph
+        has no memory (build_inp_pos_bucket_enc), [T, n_kv] causal over the KV cells otherwise
+        (build_inp_pos_bucket_dec, which reads one stream only: llama.cpp asserts n_stream == 1)."""
+        if self._pos_bucket is not None:
+            return self._pos_bucket
+        if not self.config.memory:
+            self._declare(InputSpec("pos_bucket", ("pos_bucket_enc",), {"n_buckets": n_buckets}))
+            self._pos_bucket = self.b.input("pos_bucket_enc", [self.T, self.T], I32)
+        else:
+            if self.config.n_stream != 1 or len(self.config.memory) != 1:
+                raise ArchError(f"{self.hp.arch}: relative-position buckets read one KV stream; this context has "
+                                f"{self.config.n_stream} (llama.cpp asserts n_stream == 1): use kv_unified=True "
+                                f"or n_seq_max=1")
+            self._declare(InputSpec("pos_bucket_kv", ("pos_bucket_dec",), {"n_buckets": n_buckets}))
+            self._pos_bucket = self.b.input("pos_bucket_dec", [self.T, self.n_kv], I32)
+        return self._pos_bucket
+
     def inp_out_ids(self) -> Node:
         """Always present (even when every token outputs) so the topology never changes."""
         if self._out_ids is None:
@@ -285,13 +324,31 @@ class GraphContext:
                                beta_slow=r.beta_slow, name=name)
 
     def attn(self, il: int, q: Node, k: Node, v: Node, wo: Node | None, wo_b: Node | None,
-             kq_scale: float) -> Node:
+             kq_scale: float, kq_b: Node | None = None) -> Node:
         """build_attn: store k/v in the layer's cache (the SWA one for sliding-window layers, or none
-        for encoders), attend, and project with wo."""
+        for encoders), attend (with the position bias kq_b [H, T, n] added to the scores, if
+        any), and project with wo."""
         memory = self.kv_swa if self.kv_swa is not None and self.hp.is_swa(il) else self.kv
         cur = memory.attend(il, q, k, v, kq_scale, max_bias=self.hp.f_max_alibi_bias,
-                            softcap=self.hp.f_attn_logit_softcapping)                    # [T, H*dv]
+                            softcap=self.hp.f_attn_logit_softcapping, kq_b=kq_b)         # [T, H*dv]
         return self.linear(wo, cur, wo_b) if wo is not None else cur
+
+    def attn_cross(self, il: int, q: Node, k: Node, v: Node, wo: Node | None, kq_scale: float) -> Node:
+        """build_attn over the cross input: q [T, H, d] attends k/v [n_enc, Hkv, d] (made from the
+        encoder output) under the cross mask, projected with wo."""
+        if self.cross is None:
+            self.cross = CrossGraph(self.b, self.tokens, self.config.flash_attn, self._dim("n_enc"))
+        cur = self.cross.attend(il, q, k, v, kq_scale)                                    # [T, H*dv]
+        return self.linear(wo, cur) if wo is not None else cur
+
+    def pos_bias(self, pos_bucket: Node, attn_rel_b: Node, il: int = -1) -> Node:
+        """build_pos_bias: the bias of each head for each (token, key) bucket, [H, T, n] =
+        attn_rel_b[pos_bucket] with the head axis first."""
+        b = self.b
+        n_tok, n_key = pos_bucket.shape
+        rows = b.get_rows(attn_rel_b, b.reshape(pos_bucket, dims.mul(n_tok, n_key)))     # [T*n, H]
+        bias = b.reshape(rows, n_tok, n_key, attn_rel_b.shape[-1])                      # [T, n, H]
+        return b.cont(b.permute(bias, 2, 0, 1), name=("pos_bias", il))                  # [H, T, n]
 
     def ffn(self, x: Node, up: Node, gate: Node | None, down: Node, act: str = "silu",
             il: int = -1, up_b: Node | None = None, gate_b: Node | None = None,
@@ -376,11 +433,12 @@ class GraphContext:
         """cap * tanh(x / cap): gemma2's attention-logit and final-logit softcapping."""
         return self.b.scale(self.b.unary("tanh", self.b.scale(x, 1.0 / cap)), cap, name=name)
 
-    def finish(self, hidden: Node, logits: Node | None) -> GraphOutputs:
-        """Register the outputs: t_embd ("result_norm"), the pooled embeddings and t_logits
+    def finish(self, hidden: Node, logits: Node | None, embd: bool = False) -> GraphOutputs:
+        """Register the outputs: t_embd ("result_norm"; with `embd` whatever the context asks, as
+        an encoder whose output feeds a decoder needs), the pooled embeddings and t_logits
         ("result_output")."""
         self.b.name(hidden, "result_norm")
-        if self.config.embeddings:
+        if self.config.embeddings or embd:
             self.b.output("embd", hidden)
             pooled = self.pool(hidden)
             if pooled is not None:

@@ -106,15 +106,17 @@ class AttentionGraph:
         self.b, self.tok, self.flash_attn = b, tokens, flash_attn
 
     def mha(self, il: int, q: Node, k: Node, v: Node, mask: Node, kq_scale: float, max_bias: float,
-            softcap: float, v_trans: bool) -> Node:
-        """q [T, H, d]; k [S, n, Hkv, d]; v [S, n, Hkv, dv] or (v_trans) [S, dv, Hkv, n] -> [T, H*dv]."""
+            softcap: float, v_trans: bool, kq_b: Node | None = None) -> Node:
+        """q [T, H, d]; k [S, n, Hkv, d]; v [S, n, Hkv, dv] or (v_trans) [S, dv, Hkv, n] -> [T, H*dv].
+        A position bias kq_b [H, T_s, n] is added to the scores before the softmax; flash
+        attention takes no bias, so with one the softmax path runs (as llama.cpp's does)."""
         b, tok = self.b, self.tok
         n_head, d = q.shape[-2], q.shape[-1]
         q = b.reshape(q, tok.ns, tok.T_s, n_head, d)               # [S, T_s, H, d]
         q = b.permute(q, 0, 2, 1, 3)                                # [S, H, T_s, d]
         k = b.permute(k, 0, 2, 1, 3)                                # [S, Hkv, n, d]
         v = b.permute(v, 0, 2, 1, 3)                                # [S, Hkv, n, dv] or [S, Hkv, dv, n]
-        if self.flash_attn:
+        if self.flash_attn and kq_b is None:
             if v_trans:
                 v = b.transpose(v)                                  # [S, Hkv, n, dv]
             if k.dtype == F32:  # no cache: flash attention wants f16 k and v
@@ -126,6 +128,8 @@ class AttentionGraph:
         kq = b.mul_mat(k, q, name=("kq", il))                       # [S, H, T_s, n]
         if softcap:
             kq = b.scale(b.unary("tanh", b.scale(kq, 1.0 / softcap)), softcap)
+        if kq_b is not None:
+            kq = b.add(kq, kq_b, name=("kq_plus_kq_b", il))          # [S, H, T_s, n]
         kq = b.soft_max_ext(kq, mask, kq_scale, max_bias, name=("kq_soft_max", il))
         if not v_trans:
             v = b.cont(b.transpose(v), name=("v_cont", il))          # [S, Hkv, dv, n]
@@ -220,10 +224,11 @@ class KVGraph(AttentionGraph):
                            name=("v", il))
 
     def attend(self, il: int, q: Node, k_cur: Node, v_cur: Node, kq_scale: float, max_bias: float = 0.0,
-               softcap: float = 0.0) -> Node:
-        """Store this ubatch's k/v, then attend q [T, H, d] over the cache -> [T, H*dv]. A rotated
-        cache gets q, k and v rotated first and the output rotated back, as build_attn does (in
-        its expand order: q, v, k; q, k, v with the iSWA input)."""
+               softcap: float = 0.0, kq_b: Node | None = None) -> Node:
+        """Store this ubatch's k/v, then attend q [T, H, d] over the cache -> [T, H*dv] (plus the
+        position bias kq_b [H, T, n_kv], if any). A rotated cache gets q, k and v rotated first and
+        the output rotated back, as build_attn does (in its expand order: q, v, k; q, k, v with the
+        iSWA input)."""
         lay, b = self.layout, self.b
         if lay.rot_k:
             q = mul_mat_hadamard(b, q, lay.rot_k)
@@ -235,7 +240,7 @@ class KVGraph(AttentionGraph):
             v_cur = mul_mat_hadamard(b, v_cur, lay.rot_v)
         k = self.get_k(il, self.cpy_k(il, k_cur))
         v = self.get_v(il, self.cpy_v(il, v_cur))
-        cur = self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, lay.v_trans)
+        cur = self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, lay.v_trans, kq_b)
         return mul_mat_hadamard(b, cur, lay.rot_v) if lay.rot_v else cur
 
 
@@ -260,10 +265,39 @@ class NoCacheGraph(AttentionGraph):
         return self._mask
 
     def attend(self, il: int, q: Node, k_cur: Node, v_cur: Node, kq_scale: float, max_bias: float = 0.0,
-               softcap: float = 0.0) -> Node:
+               softcap: float = 0.0, kq_b: Node | None = None) -> Node:
         k = self.b.reshape(k_cur, 1, *k_cur.shape)                   # [1, T, Hkv, d]
         v = self.b.reshape(v_cur, 1, *v_cur.shape)
-        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, v_trans=False)
+        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, max_bias, softcap, v_trans=False, kq_b=kq_b)
+
+
+class CrossGraph(AttentionGraph):
+    """Attention over the stored encoder output (an encoder-decoder's cross-attention,
+    llm_graph_input_attn_cross): k/v [n_enc, Hkv, d] made from it, mask [1, 1, T, n_enc]."""
+
+    def __init__(self, b: GraphBuilder, tokens: TokenDims, flash_attn: bool, n_enc: Dim):
+        super().__init__(b, tokens, flash_attn)
+        self.n_enc = n_enc
+        self._mask: Node | None = None
+
+    def input_spec(self):
+        """The attn_cross input, when the graph reads it."""
+        if self._mask is None:
+            return None
+        return InputSpec("attn_cross", (self._mask.name,))
+
+    def kq_mask(self) -> Node:
+        """0 where a token's sequences share one with the encoder token's, -inf elsewhere."""
+        if self._mask is None:
+            self._mask = self.b.input("cross_kq_mask", [1, 1, self.tok.T, self.n_enc],
+                                      F16 if self.flash_attn else F32)
+        return self._mask
+
+    def attend(self, il: int, q: Node, k_enc: Node, v_enc: Node, kq_scale: float) -> Node:
+        """q [T, H, d] over k/v [n_enc, Hkv, d] -> [T, H*dv]."""
+        k = self.b.reshape(k_enc, 1, *k_enc.shape)                   # [1, n_enc, Hkv, d]
+        v = self.b.reshape(v_enc, 1, *v_enc.shape)
+        return self.mha(il, q, k, v, self.kq_mask(), kq_scale, 0.0, 0.0, v_trans=False)
 
 
 def build_shift_graph(hp: HParams, layout: KVLayout, rope_mode: int, rope, freq_base_of, name: str = "k_shift"):

@@ -35,7 +35,7 @@ ARCHS = arch_registry
 # (swa_pattern is read only with a sliding_window, so it is not refused on its own)
 ARCH_OPTIONS = {"sliding_window": None, "n_expert": 0, "n_expert_used": 0, "n_ff_exp": None, "n_ff_shexp": None,
                 "partial_rotary": None, "norm_eps": None, "fused_qkv": False, "ssm_d_state": None,
-                "ssm_d_conv": None, "ssm_dt_rank": None}
+                "ssm_d_conv": None, "ssm_dt_rank": None, "n_dec_layer": None, "gated_ffn": None}
 # general.file_type of a model whose matrices are all of one type: gguf.quants writes the types
 # of FILE_TYPES, llamir's own ggml-exact reference quantizers the K-quants (rows of 256)
 MATRIX_FILE_TYPES: dict[str, gguf.LlamaFileType] = {
@@ -120,6 +120,8 @@ class SynthSpec:
     ssm_d_state: int | None = None     # mamba: the scan state per channel (ssm.state_size)
     ssm_d_conv: int | None = None      # mamba: the conv window (ssm.conv_kernel)
     ssm_dt_rank: int | None = None     # mamba: the step-size projection's rank (ssm.time_step_rank)
+    n_dec_layer: int | None = None     # t5: decoder blocks (decoder_block_count; None: n_layer, key unwritten)
+    gated_ffn: bool | None = None      # t5: False writes no ffn_gate (the original T5's relu ffn); None: gated
 
     @property
     def n_embd_head(self) -> int:
@@ -227,16 +229,13 @@ def synth_hparams(spec: SynthSpec) -> HParams:
     arch = ARCHS[spec.arch]()
     n, hd = spec.n_layer, spec.n_embd_head
     heads = spec.n_head if arch.has_attention else 0
-    hp = HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
-                 n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(heads,) * n,
-                 n_head_kv_arr=arch.synth_kv_heads(spec), n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
-                 f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
-                 rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
-                 n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0)
-    extra = arch.synth_extra(spec)
-    if extra is not None:
-        hp.extra = extra
-    return hp
+    return HParams(arch=spec.arch, n_vocab=spec.n_vocab, n_ctx_train=spec.n_ctx_train, n_embd=spec.n_embd,
+                   n_layer=n, n_ff_arr=(spec.n_ff,) * n, n_head_arr=(heads,) * n,
+                   n_head_kv_arr=arch.synth_kv_heads(spec), n_embd_head_k=hd, n_embd_head_v=hd, n_rot=spec.n_rot,
+                   f_norm_rms_eps=spec.rms_eps, rope_freq_base_train=spec.rope_base,
+                   rope_scaling_type_train=spec.rope_scaling or "linear", n_expert=spec.n_expert,
+                   n_expert_used=spec.n_expert_used, n_ff_exp=spec.n_ff_exp or 0, n_ff_shexp=spec.n_ff_shexp or 0,
+                   extra=arch.synth_extra(spec))
 
 
 def with_arch_defaults(spec: SynthSpec) -> SynthSpec:
@@ -381,7 +380,8 @@ def _tensors(spec: SynthSpec):
     rng = np.random.default_rng(spec.seed)
     storage = {"weight": spec.dtype, "embd": spec.embd_dtype or spec.dtype, "f32": "f32"}
     for t in ARCHS[spec.arch]().tensor_specs(synth_hparams(spec)):
-        if t.in_synth and not (spec.tied and t.name == "output.weight"):
+        ungated = spec.gated_ffn is False and t.name.endswith(".ffn_gate.weight") and not t.required
+        if t.in_synth and not (spec.tied and t.name == "output.weight") and not ungated:
             yield _typed(t.name, _INIT[t.init_rule](rng, t.shape, t.gain), storage[t.storage_kind])
 
 

@@ -48,6 +48,23 @@ def oracle_numerics():
     raise RuntimeError(f"the llama.cpp oracle is built for neither AVX-512 nor AVX2+FMA: {info.strip()}")
 
 
+def relative_position_bucket(x: int, y: int, n_buckets: int, bidirectional: bool) -> int:
+    """llama.cpp's own llama_relative_position_bucket(x, y, n_buckets, bidirectional) (t5's bucket
+    of key position x for query position y), called through its exported C++ symbol."""
+    global _bucket_fn
+    if _bucket_fn is None:
+        import llama_cpp.llama_cpp as bindings
+
+        fn = bindings._lib._Z30llama_relative_position_bucketiimb   # (int32, int32, uint64, bool) -> int32
+        fn.restype = ctypes.c_int32
+        fn.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_bool]
+        _bucket_fn = fn
+    return int(_bucket_fn(x, y, n_buckets, bidirectional))
+
+
+_bucket_fn: Any = None
+
+
 def _lib():
     """The llama_cpp module, with the backend initialised and its logging silenced once."""
     global _backend_ready, _log_callback
@@ -194,7 +211,11 @@ class LlamaCppOracle:
             raise IndexError(f"llama.cpp has no embedding for batch position {i}")
         return np.ctypeslib.as_array(ptr, shape=(n_embd,)).copy()
 
-    def encode_batch(self, tokens: Sequence[int], pos: Sequence[int], seq_ids: Sequence[Sequence[int]]) -> int:
+    def encode_batch(self, tokens: Sequence[int], pos: Sequence[int] | None = None,
+                     seq_ids: Sequence[Sequence[int]] | None = None) -> int:
+        """One llama_encode of `tokens` (positions 0.. and sequence 0 unless given); its status."""
+        pos = range(len(tokens)) if pos is None else pos
+        seq_ids = [(0,)] * len(tokens) if seq_ids is None else seq_ids
         b = self._batch
         b.n_tokens = len(tokens)
         for i in range(len(tokens)):
@@ -203,6 +224,13 @@ class LlamaCppOracle:
                 b.seq_id[i][j] = int(s)
             b.logits[i] = True
         return int(self._lib.llama_encode(self._ctx, b))
+
+    def has_encoder(self) -> bool:
+        return bool(self._lib.llama_model_has_encoder(self._model))
+
+    def decoder_start_token(self) -> int:
+        """llama_model_decoder_start_token: the model's decoder_start_token_id (-1 when unset)."""
+        return int(self._lib.llama_model_decoder_start_token(self._model))
 
     def logits_ith(self, i: int) -> np.ndarray:
         """A copy of the logits of batch position `i` of the last decode (negative counts from the end)."""

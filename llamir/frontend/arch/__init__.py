@@ -16,6 +16,7 @@ from llamir.frontend.arch import (
     qwen3moe,  # noqa: F401
     stablelm,  # noqa: F401
     starcoder2,  # noqa: F401
+    t5,  # noqa: F401
 )
 from llamir.frontend.arch.base import ARCHS, ArchError, Architecture, TensorSpec, register_arch
 

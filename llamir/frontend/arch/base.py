@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from llamir.frontend.hparams import HParams
+from llamir.frontend.hparams import ArchHParams, HParams
 from llamir.ir.ops import ROPE_NEOX, ROPE_NORM
 
 # LLAMA_ROPE_TYPE_NONE: an architecture without rope (gpt2); a K-shift then moves positions only
@@ -91,6 +91,9 @@ class Architecture(ABC):
     # tensors llama.cpp's loader for this architecture reads (optionally) that llamir does not
     # implement; "{il}" stands for a layer index
     unimplemented_tensors: ClassVar[tuple[str, ...]] = ()
+    # llama_model_has_encoder: a separate encoder graph (t5) whose output encode() keeps for the
+    # decoder graph's cross-attention; decode() then needs an encode first
+    has_encoder: ClassVar[bool] = False
 
     def load_hparams(self, f, hp: HParams) -> None:
         """Arch-specific keys and checks (load_arch_hparams); the default needs an rms eps."""
@@ -138,11 +141,6 @@ class Architecture(ABC):
         layer is recurrent)."""
         return (spec.n_head_kv if self.has_attention else 0,) * spec.n_layer
 
-    def synth_extra(self, spec):
-        """hp.extra of a synthetic model (what load_hparams would read back), for tensor_specs;
-        None: the architecture's specs need none."""
-        return None
-
     def synth_name(self, spec) -> str:
         """general.name of a synthetic model."""
         return f"synth-{spec.arch}-{spec.dtype}"
@@ -150,6 +148,11 @@ class Architecture(ABC):
     def synth_metadata(self, w, spec) -> None:
         """Write this architecture's own hparam keys of `spec` with the gguf.GGUFWriter `w`."""
         return None
+
+    def synth_extra(self, spec) -> ArchHParams:
+        """hp.extra of the model `spec` describes, as load_hparams would set it (what tensor_specs
+        reads of it)."""
+        return ArchHParams()
 
 
 def decoder_specs(hp: HParams, *, qkv_bias: bool = False, qk_norm: bool = False, out_bias: bool = False,
