@@ -138,11 +138,14 @@ class Context:
         from llamir.frontend.graph_kv import KVLayout
         from llamir.ir import ops
 
-        cp = self.cparams
+        cp, hp, arch = self.cparams, self.model.hparams, self.model.arch
+        kind = arch.create_memory(hp)
+        recurrent = arch.recurrent_layout(hp, max(1, cp.n_seq_max)) if kind in ("recurrent", "hybrid") else None
+        attn_layers = tuple(il for il in range(hp.n_layer) if recurrent is None or il not in recurrent.layers)
         probe = KVLayout(kv_size=cp.n_ctx_seq, type_k=cp.type_k, type_v=cp.type_v, v_trans=False,
-                         n_stream=1 if cp.kv_unified else cp.n_seq_max,
-                         layers=tuple(range(self.model.hparams.n_layer)))
-        config = GraphConfig(memory=(probe,), rope=cp.rope, flash_attn=True, causal_attn=cp.causal_attn)
+                         n_stream=1 if cp.kv_unified else cp.n_seq_max, layers=attn_layers)
+        config = GraphConfig(memory=(probe,) if attn_layers else (), recurrent=recurrent, rope=cp.rope,
+                             flash_attn=True, causal_attn=cp.causal_attn)
         if self.runner.single:
             graph = self.model.build_graph(config).graph
             return all(self.backend.supports_op(n) for n in graph.nodes if n.is_op(ops.FlashAttnExt))
@@ -173,7 +176,8 @@ class Context:
             b[layout.n_kv_dim] = layout.kv_size
         b.setdefault("n_kv", self.cparams.n_ctx_seq)
         if "rs_seqs" in names:   # recurrent: n_seqs equal runs over every cell
-            b.update(rs_seqs=n_seqs, rs_seq_tokens=max(1, n_tokens // n_seqs), n_rs=memory.rs_layout.size)
+            rs_size = memory.rs_layout.size if memory is not None else max(1, self.cparams.n_seq_max)
+            b.update(rs_seqs=n_seqs, rs_seq_tokens=max(1, n_tokens // n_seqs), n_rs=rs_size)
             b["n_out"] = n_seqs * b["rs_seq_tokens"]
         b["n_enc"] = self.model.hparams.n_ctx_train   # the cross input before any encode, as llama.cpp sizes it
         if "ns" in names:

@@ -94,21 +94,20 @@ def _feed(ctx, tokens, pos0=0, seq=0):
 
 @pytest.mark.llama_cpp
 def test_seq_rm_of_a_middle_range_fails_and_changes_nothing(paths, models):
+    """A state cannot lose its last positions: a range from the middle through the last position
+    fails and changes nothing; one past the end or the whole sequence succeeds (as llama.cpp)."""
     ctx = _context(models["f32"])
-    _feed(ctx, TOKENS_A)
+    _feed(ctx, TOKENS_A[:8])                          # the state is at position 7
     before = ctx.state_get_data()
-    assert ctx.memory.seq_rm(0, 4, 8) is False        # cuts the state's last position off
-    assert ctx.memory.seq_rm(0, 4, -1) is False
-    assert ctx.state_get_data() == before
-    assert ctx.memory.seq_rm(0, 20, -1) is True        # past the end: nothing to remove
-    assert ctx.memory.seq_rm(-1, 3, 5) is False       # every sequence, a partial range
-    assert ctx.memory.seq_pos_max(0) == len(TOKENS_A) - 1
+    calls = [(0, 4, 8), (0, 4, -1), (-1, 3, 5), (0, 2, 5), (0, 20, -1)]
+    ours = [ctx.memory.seq_rm(*call) for call in calls]
     with LlamaCppOracle(paths["f32"], n_ctx=256) as o:
-        assert o.decode(TOKENS_A) == 0
-        assert o.seq_rm(0, 4, 8) is False and o.seq_rm(0, 4, -1) is False and o.seq_rm(0, 20, -1) is True
-        assert o.seq_rm(-1, 3, 5) is False
-        assert o.seq_pos_max(0) == len(TOKENS_A) - 1
+        assert o.decode(TOKENS_A[:8]) == 0
+        theirs = [o.seq_rm(*call) for call in calls]
+        assert o.state_get_data() == ctx.state_get_data() == before
         assert o.seq_rm(0, 0, -1) is True and o.seq_pos_max(0) == -1
+    assert ours == theirs and ours[:3] == [False, False, False]
+    assert ctx.memory.seq_pos_max(0) == 7
     assert ctx.memory.seq_rm(0, 0, -1) is True and ctx.memory.seq_pos_max(0) == -1
 
 
@@ -116,16 +115,19 @@ def test_seq_rm_of_a_middle_range_fails_and_changes_nothing(paths, models):
 def test_state_saves_and_loads_exactly_and_matches_llama_cpps_layout(paths, models, nmse):
     ctx = _context(models["f32"])
     _feed(ctx, TOKENS_A[:8])
-    data = ctx.state_get_data()
+    data, seq_data = ctx.state_get_data(), ctx.state_seq_get_data(0)
     next_logits = _feed(ctx, TOKENS_A[8:10], pos0=8)
     ctx.memory.clear()
     assert ctx.state_set_data(data) == len(data)
     assert ctx.state_get_data() == data
     assert np.array_equal(_feed(ctx, TOKENS_A[8:10], pos0=8), next_logits)
+    ctx.memory.clear()
+    ctx.state_seq_set_data(seq_data, 0)
+    assert np.array_equal(_feed(ctx, TOKENS_A[8:10], pos0=8), next_logits)
     with LlamaCppOracle(paths["f32"], n_ctx=256) as o:
         assert o.decode(TOKENS_A[:8]) == 0
-        assert o.state_get_data() == data              # the same layout and bytes
-        assert o.state_seq_get_data(0) == ctx.state_seq_get_data(0)
+        assert o.state_get_data() == data                # the same layout and bytes
+        assert o.state_seq_get_data(0) == seq_data
         o.clear()
         assert o.state_set_data(data) == len(data)     # and llama.cpp restores llamir's state
         assert o.decode(TOKENS_A[8:10], pos0=8) == 0

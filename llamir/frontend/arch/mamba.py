@@ -125,7 +125,7 @@ def ssm_specs(hp, il: int, norms: bool) -> list[TensorSpec]:
         TensorSpec(p + "ssm_dt.weight", (d_inner, x.dt_rank), storage="f32"),   # rows of dt_rank
         TensorSpec(p + "ssm_dt.bias", (d_inner,), init="bias", gain=2.0),
         # A = -exp(A_log) < 0 (convert_hf_to_gguf writes it so), drawn around -1
-        TensorSpec(p + "ssm_a", (d_inner, d_state), init="norm", gain=-1.0),
+        TensorSpec(p + "ssm_a", (d_inner, d_state), init="norm", gain=-1.0, storage="f32"),
         TensorSpec(p + "ssm_d", (d_inner,), init="norm"),
         TensorSpec(p + "ssm_out.weight", (e, d_inner)),
     ]
@@ -145,19 +145,20 @@ def build_mamba_layer(g, L, il: int, cur):
     cur = b.reshape(cur, ns, nt, g.hp.n_embd)                                     # [S, t, E]
     xz = g.linear(L.ssm_in, cur)                                                  # [S, t, 2*d_inner]
     row = 2 * d_inner * 4
-    x = b.view(xz, [ns, nt, d_inner], [nt * row, row, 4], 0)                      # [S, t, d_inner]
-    z = b.view(xz, [ns, nt, d_inner], [nt * row, row, 4], d_inner * 4)
+    x = b.view(xz, [ns, nt, d_inner], [dims.mul(nt, row), row, 4], 0)               # [S, t, d_inner]
+    z = b.view(xz, [ns, nt, d_inner], [dims.mul(nt, row), row, 4], d_inner * 4)
     conv_x = b.concat(conv, b.transpose(x), axis=2)                               # [S, d_inner, d_conv-1+t]
     width = conv_x.shape[2]
-    last = b.view(conv_x, [ns, d_inner, d_conv - 1], [d_inner * width * 4, width * 4, 4], nt * 4)
+    last = b.view(conv_x, [ns, d_inner, d_conv - 1], [dims.mul(width, d_inner * 4), dims.mul(width, 4), 4],
+                  dims.mul(nt, 4))                                                # the last d_conv-1 columns
     rs.store(r_all, b.reshape(b.cont(last), ns, (d_conv - 1) * d_inner), name=("conv_state", il))
     x = b.ssm_conv(conv_x, L.ssm_conv1d)                                          # [S, t, d_inner]
     x = b.unary("silu", b.add(x, L.ssm_conv1d_bias))
     x_db = g.linear(L.ssm_x, x)                                                   # [S, t, dt_rank+2*d_state]
     row = (dt_rank + 2 * d_state) * 4
-    dt = b.view(x_db, [ns, nt, dt_rank], [nt * row, row, 4], 0)                   # [S, t, dt_rank]
-    B = b.view(x_db, [ns, nt, 1, d_state], [nt * row, row, d_state * 4, 4], dt_rank * 4)
-    C = b.view(x_db, [ns, nt, 1, d_state], [nt * row, row, d_state * 4, 4], (dt_rank + d_state) * 4)
+    dt = b.view(x_db, [ns, nt, dt_rank], [dims.mul(nt, row), row, 4], 0)            # [S, t, dt_rank]
+    B = b.view(x_db, [ns, nt, 1, d_state], [dims.mul(nt, row), row, d_state * 4, 4], dt_rank * 4)
+    C = b.view(x_db, [ns, nt, 1, d_state], [dims.mul(nt, row), row, d_state * 4, 4], (dt_rank + d_state) * 4)
     norms = [L[f"ssm_{n}_norm.weight"] if f"ssm_{n}_norm.weight" in L.names() else None for n in ("dt", "b", "c")]
     if x_hp.dt_b_c_rms or all(w is not None for w in norms):   # FalconMamba, Jamba: rms norms (weights if any)
         dt, B, C = (g.norm(t, w) for t, w in zip((dt, B, C), norms, strict=True))
@@ -167,11 +168,11 @@ def build_mamba_layer(g, L, il: int, cur):
     skip = x
     x = b.reshape(x, ns, nt, d_inner, 1)                                          # [S, t, n_head, head_dim]
     states = b.reshape(s_all, rs.layout.size, d_inner, 1, d_state)                # [size, n_head, 1, d_state]
-    y_ssm = b.ssm_scan(states, x, dt, L.ssm_a, B, C, rs.ids)   # [S*t*d_inner + S*d_inner*d_state]
+    y_ssm = b.ssm_scan(states, x, dt, L["ssm_a"], B, C, rs.ids)   # [S*t*d_inner + S*d_inner*d_state]
     last_s = b.view(y_ssm, [ns, d_inner * d_state], [d_inner * d_state * 4, 4], dims.prod([ns, nt, d_inner, 4]))
     rs.store(s_all, last_s, name=("ssm_state", il))
     y = b.view(y_ssm, [ns, nt, d_inner], [dims.mul(nt, d_inner * 4), d_inner * 4, 4], 0)   # [S, t, d_inner]
-    y = b.add(y, b.mul(skip, L.ssm_d))
+    y = b.add(y, b.mul(skip, L["ssm_d"]))
     y = b.glu("swiglu", b.cont(z), y)                                            # silu(z) * y
     cur = g.linear(L.ssm_out, y)                                                  # [S, t, E]
     return b.reshape(cur, g.T, g.hp.n_embd)
