@@ -175,9 +175,10 @@ class Context:
         for layout in memory.layouts if memory is not None else ():
             b[layout.n_kv_dim] = layout.kv_size
         b.setdefault("n_kv", self.cparams.n_ctx_seq)
-        if "rs_seqs" in names:   # recurrent: n_seqs equal runs over every cell
-            rs_size = memory.rs_layout.size if memory is not None else max(1, self.cparams.n_seq_max)
-            b.update(rs_seqs=n_seqs, rs_seq_tokens=max(1, n_tokens // n_seqs), n_rs=rs_size)
+        if "n_rs" in names:      # recurrent: n_seqs equal runs over every cell
+            b["n_rs"] = memory.rs_layout.size if memory is not None else max(1, self.cparams.n_seq_max)
+        if "rs_seqs" in names:
+            b.update(rs_seqs=n_seqs, rs_seq_tokens=max(1, n_tokens // n_seqs))
             b["n_out"] = n_seqs * b["rs_seq_tokens"]
         b["n_enc"] = self.model.hparams.n_ctx_train   # the cross input before any encode, as llama.cpp sizes it
         if "ns" in names:
@@ -354,7 +355,8 @@ class Context:
             bindings["n_seqs"] = ubatch.n_seqs_unq
         if "n_enc" in graph.dim_names:
             bindings["n_enc"] = self.cross.n_enc
-        return bindings
+        # a hybrid memory decides both its KV cache's dims and its recurrent part's; the graph reads some
+        return {k: v for k, v in bindings.items() if k in graph.dim_names}
 
     def _extract(self, ubatch: UBatch, out: dict, n_outputs: int, row0: int) -> None:
         """Copy this ubatch's outputs: logits rows, embeddings rows, or pooled per-sequence vectors."""

@@ -416,7 +416,9 @@ def _attn_kv(spec, env: InputEnv) -> GraphInput:
         raise ValueError(f"the graph reads the KV cache{' ' + suffix if suffix else ''}, but the context has no memory")
     for sub in env.mctx.contexts():
         if sub.cache.layout.suffix == suffix:
-            return InputAttnKV(sub, env.hp.n_embd_v_gqa(), env.causal, env.mask_dtype, env.alibi, suffix)
+            layers = sub.cache.layout.layers   # (a hybrid model's first layers may have no attention)
+            n_embd_v_gqa = env.hp.n_embd_v_gqa(layers[0] if layers else 0)
+            return InputAttnKV(sub, n_embd_v_gqa, env.causal, env.mask_dtype, env.alibi, suffix)
     raise ValueError(f"the graph reads a KV cache with suffix {suffix!r} that the memory does not have")
 
 

@@ -44,7 +44,7 @@ def write(w: Writer, memory: RecurrentMemory, seq_id: int = -1) -> None:
         for sid in ids:
             w.pack("i", sid)
     rows = [c.src if c.src >= 0 else i for i, c in ((i, memory.cells[i]) for i in cells)]
-    w.pack("II", 0, len(memory.layout.layers))
+    w.pack("II", 0, memory.layout.n_layer)   # every layer counts; those without state write nothing
     for name_of, n_embd in ((cache_r_name, memory.layout.n_embd_r), (cache_s_name, memory.layout.n_embd_s)):
         for il in memory.layout.layers:
             w.pack("iQ", int(F32.ggml_type), 4 * n_embd)
@@ -89,8 +89,8 @@ def parse(r: Reader, memory: RecurrentMemory, source) -> RecurrentState:
         seqs.append(ids)
     at = r.offset
     s_trans, n_layer = r.unpack("II", "s_trans and layer count")
-    if n_layer != len(memory.layout.layers):
-        raise StateError(f"mismatched layer count ({n_layer} instead of {len(memory.layout.layers)}, byte {at})")
+    if n_layer != memory.layout.n_layer:
+        raise StateError(f"mismatched layer count ({n_layer} instead of {memory.layout.n_layer}, byte {at})")
     if s_trans:
         raise StateError(f"incompatible s transposition (byte {at})")
     rows: dict[str, np.ndarray] = {}

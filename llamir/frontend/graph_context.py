@@ -91,7 +91,9 @@ class GraphConfig:
     def dim_names(self) -> tuple[str, ...]:
         """The graph's symbolic dims. With recurrent state a ubatch is rs_seqs equal runs of
         rs_seq_tokens tokens (T is their product) over n_rs cells."""
-        if self.recurrent is not None:
+        if self.recurrent is not None and self.n_stream > 1:   # a hybrid's streams: one per sequence
+            names = (*STREAM_DIM_NAMES, "n_rs")
+        elif self.recurrent is not None:
             names = ("n_out", *RS_DIM_NAMES)
         elif not self.memory:   # attention over the ubatch: no KV cells to count
             return tuple(n for n in DIM_NAMES if n != "n_kv")
@@ -115,8 +117,14 @@ class GraphContext:
         self.hp: HParams = model.hparams
         self.config = config
         self.b = GraphBuilder(model.hparams.arch, config.dim_names())
-        self.rs = RSGraph(self.b, config.recurrent) if config.recurrent is not None else None
-        if self.rs is not None:
+        self.rs = None
+        if config.recurrent is not None and config.n_stream > 1:
+            # a hybrid over KV streams: its rs_seqs sequences are the ns streams of T_s tokens
+            self.rs = RSGraph(self.b, config.recurrent, n_seqs=sym("ns"), n_seq_tokens=sym("T_s"))
+            tokens = TokenDims(T=dims.mul(sym("ns"), sym("T_s")), T_s=sym("T_s"), ns=sym("ns"), s0=sym("s0"))
+            self.T = tokens.T
+        elif config.recurrent is not None:
+            self.rs = RSGraph(self.b, config.recurrent)
             self.T = dims.mul(self.rs.n_seqs, self.rs.n_seq_tokens)
             tokens = TokenDims(T=self.T, T_s=self.T, ns=1, s0=0)
         elif config.n_stream == 1:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from llamir.frontend.built import InputSpec
 from llamir.ir import F32, I32, GraphBuilder, Node, sym
+from llamir.ir.dims import Dim
 
 RS_DIM_NAMES = ("rs_seqs", "rs_seq_tokens", "n_rs")
 RS_INPUTS = ("rs_s_copy", "rs_keep", "rs_dst")
@@ -34,6 +35,7 @@ class RSLayout:
     n_embd_r: int
     n_embd_s: int
     layers: tuple[int, ...] = ()
+    n_layer: int = 0          # the model's layers (a state counts them all; a hybrid's others keep none)
 
     def r_shape(self) -> tuple[int, int]:
         return (self.size, self.n_embd_r)
@@ -53,9 +55,13 @@ def cache_s_name(il: int) -> str:
 class RSGraph:
     """build_rs_inp and build_rs for one graph: the inputs, the state leaves and their moves."""
 
-    def __init__(self, b: GraphBuilder, layout: RSLayout):
+    def __init__(self, b: GraphBuilder, layout: RSLayout, n_seqs: Dim | None = None, n_seq_tokens: Dim | None = None):
+        """`n_seqs` and `n_seq_tokens`: the ubatch's sequences and tokens per sequence (rs_seqs and
+        rs_seq_tokens, or a hybrid's KV streams ns and T_s)."""
         self.b, self.layout = b, layout
-        self.n_seqs, self.n_seq_tokens, self.n_rs = sym("rs_seqs"), sym("rs_seq_tokens"), sym("n_rs")
+        self.n_seqs = sym("rs_seqs") if n_seqs is None else n_seqs
+        self.n_seq_tokens = sym("rs_seq_tokens") if n_seq_tokens is None else n_seq_tokens
+        self.n_rs = sym("n_rs")
         self.s_copy = b.input("rs_s_copy", [self.n_rs], I32)          # the row holding each cell's state
         self.keep = b.input("rs_keep", [self.n_rs, 1], F32)           # 0: the cell starts from zero
         self.dst = b.input("rs_dst", [self.n_rs], I32)                # head + i

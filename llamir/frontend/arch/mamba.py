@@ -109,7 +109,8 @@ def load_ssm_hparams(f, hp, dt_b_c_rms: bool) -> None:
 def ssm_layout(hp, size: int, layers: tuple[int, ...]) -> RSLayout:
     """n_embd_r = (d_conv - 1) * d_inner conv columns, n_embd_s = d_state * d_inner scan values."""
     x = hp.extra
-    return RSLayout(size=size, n_embd_r=(x.d_conv - 1) * x.d_inner, n_embd_s=x.d_state * x.d_inner, layers=layers)
+    return RSLayout(size=size, n_embd_r=(x.d_conv - 1) * x.d_inner, n_embd_s=x.d_state * x.d_inner, layers=layers,
+                    n_layer=hp.n_layer)
 
 
 def ssm_specs(hp, il: int, norms: bool) -> list[TensorSpec]:

@@ -1,6 +1,6 @@
-"""mamba (Mamba-1) over the recurrent memory, against llama.cpp on random-weight GGUFs: a prompt
-in one batch, one token at a time, in ubatches, two interleaved sequences; the recurrent memory's
-sequence operations, state save/load and rollback."""
+"""mamba (Mamba-1, recurrent memory) and jamba (Mamba-1 and attention layers, hybrid memory)
+against llama.cpp on random-weight GGUFs: a prompt in one batch, one token at a time, in ubatches,
+two interleaved sequences; the memories' sequence operations, state save/load and rollback."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import llamir
+from llamir.context.memory_hybrid import HybridMemory
 from llamir.context.memory_recurrent import RecurrentMemory
 from llamir.context.state_io import StateError
 from llamir.frontend.synth import SynthSpec, write_model
@@ -15,9 +16,13 @@ from llamir.testing.conformance import PROMPT, llama_cpp_logits, llamir_logits
 from llamir.testing.llama_cpp import LlamaCppOracle, oracle_numerics
 
 SPECS = {
-    "f32": SynthSpec(arch="mamba", n_layer=2, n_embd=64, seed=3),
-    "q8_0": SynthSpec(arch="mamba", n_layer=2, n_embd=64, dtype="q8_0", seed=4),
+    "mamba-f32": SynthSpec(arch="mamba", n_layer=2, n_embd=64, seed=3),
+    "mamba-q8_0": SynthSpec(arch="mamba", n_layer=2, n_embd=64, dtype="q8_0", seed=4),
+    "jamba-f32": SynthSpec(arch="jamba", n_layer=3, n_embd=64, n_head=4, n_head_kv=2, seed=5),
+    "jamba-q8_0-moe": SynthSpec(arch="jamba", n_layer=4, n_embd=64, n_head=4, n_head_kv=2, dtype="q8_0",
+                                n_expert=4, n_expert_used=2, seed=6),
 }
+ARCHS = ("mamba-f32", "jamba-f32")   # one model of each memory kind for the memory tests
 TOKENS_A = [int(t) for t in PROMPT[:12]]
 TOKENS_B = [int(t) for t in PROMPT[12:21]]
 
@@ -35,6 +40,7 @@ def models(paths):
 
 def _context(model, backend="numpy", **params):
     params.setdefault("n_ctx", 256)
+    params.setdefault("flash_attn", "off")   # as the oracle runs
     return llamir.Context(model, backend=backend, numerics=oracle_numerics(), **params)
 
 
@@ -66,25 +72,59 @@ def _interleaved(decode, logits_ith):
 
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("backend", ["numpy", "llvm"])
-def test_two_interleaved_sequences_match_llama_cpp(paths, models, nmse, backend):
-    ctx = _context(models["f32"], backend, n_seq_max=2, n_batch=64, n_ubatch=64)
+@pytest.mark.parametrize("name", ARCHS)
+def test_two_interleaved_sequences_match_llama_cpp(paths, models, nmse, backend, name):
+    ctx = _context(models[name], backend, n_seq_max=2, n_batch=64, n_ubatch=64)
 
     def ours(tokens, pos, seqs, logits):
         return ctx.decode(llamir.Batch(tokens=tokens, pos=pos, seq_ids=seqs, logits=logits))
 
     got = _interleaved(ours, lambda i: ctx.get_logits_ith(i).copy())
-    with LlamaCppOracle(paths["f32"], n_ctx=256, n_batch=64, n_seq_max=2) as o:
+    with LlamaCppOracle(paths[name], n_ctx=256, n_batch=64, n_seq_max=2) as o:
         want = _interleaved(o.decode_batch, o.logits_ith)
     assert nmse(got, want) == 0.0
 
 
 def test_memory_is_recurrent_with_a_cell_per_sequence(models):
-    ctx = _context(models["f32"], n_seq_max=3)
+    ctx = _context(models["mamba-f32"], n_seq_max=3)
     mem = ctx.memory
     assert isinstance(mem, RecurrentMemory) and mem.size == 3 and mem.get_can_shift()
-    hp = models["f32"].hparams.extra
+    hp = models["mamba-f32"].hparams.extra
     assert mem.layout.n_embd_r == (hp.d_conv - 1) * hp.d_inner and mem.layout.n_embd_s == hp.d_state * hp.d_inner
     assert mem.total_bytes() == 2 * 3 * 4 * (mem.layout.n_embd_r + mem.layout.n_embd_s)
+
+
+def test_jamba_memory_is_hybrid(models):
+    """Layers 0 and 2 are Mamba blocks (recurrent cells), layer 1 attends (a KV cache)."""
+    ctx = _context(models["jamba-f32"], n_seq_max=2)
+    mem = ctx.memory
+    assert isinstance(mem, HybridMemory)
+    assert mem.recr.layout.layers == (0, 2) and mem.attn.layout.layers == (1,)
+    assert set(mem.buffers) == {"cache_r_l0", "cache_s_l0", "cache_r_l2", "cache_s_l2", "cache_k_l1", "cache_v_l1"}
+    assert mem.total_bytes() == mem.attn.total_bytes() + mem.recr.total_bytes()
+
+
+@pytest.mark.llama_cpp
+def test_partial_state_holds_only_the_recurrent_part(models):
+    """LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: a hybrid memory writes only its recurrent cells."""
+    ctx = _context(models["jamba-f32"])
+    _feed(ctx, TOKENS_A[:6])
+    whole, partial = ctx.state_seq_get_data(0), ctx.state_seq_get_data(0, flags=1)
+    recurrent = ctx.memory.recr
+    assert len(partial) < len(whole) and len(partial) == 8 + len(_recurrent_blob(recurrent))
+    after = _feed(ctx, TOKENS_A[6:8], pos0=6)
+    ctx.memory.recr.clear()
+    ctx.memory.attn.seq_rm(0, 6, -1)                     # the KV cache back to positions 0..5
+    ctx.state_seq_set_data(partial, 0, flags=1)          # the recurrent part alone
+    assert np.array_equal(_feed(ctx, TOKENS_A[6:8], pos0=6), after)
+
+
+def _recurrent_blob(memory) -> bytes:
+    from llamir.context.state_io import Writer
+
+    w = Writer()
+    memory.state_write(w, 0)
+    return w.getvalue()
 
 
 def _feed(ctx, tokens, pos0=0, seq=0):
@@ -93,18 +133,22 @@ def _feed(ctx, tokens, pos0=0, seq=0):
 
 
 @pytest.mark.llama_cpp
-def test_seq_rm_of_a_middle_range_fails_and_changes_nothing(paths, models):
+@pytest.mark.parametrize("name", ARCHS)
+def test_seq_rm_of_a_middle_range_fails_and_changes_nothing(paths, models, name):
     """A state cannot lose its last positions: a range from the middle through the last position
     fails and changes nothing; one past the end or the whole sequence succeeds (as llama.cpp)."""
-    ctx = _context(models["f32"])
+    ctx = _context(models[name])
     _feed(ctx, TOKENS_A[:8])                          # the state is at position 7
     before = ctx.state_get_data()
-    calls = [(0, 4, 8), (0, 4, -1), (-1, 3, 5), (0, 2, 5), (0, 20, -1)]
-    ours = [ctx.memory.seq_rm(*call) for call in calls]
-    with LlamaCppOracle(paths["f32"], n_ctx=256) as o:
+    refused = [(0, 4, 8), (0, 4, -1), (-1, 3, 5)]
+    assert [ctx.memory.seq_rm(*call) for call in refused] == [False] * 3
+    assert ctx.state_get_data() == before                # nothing changed, in either memory
+    calls = [*refused, (0, 2, 5), (0, 20, -1)]           # before the state: a hybrid's KV cells go
+    ours = [False] * 3 + [ctx.memory.seq_rm(*call) for call in calls[3:]]
+    with LlamaCppOracle(paths[name], n_ctx=256) as o:
         assert o.decode(TOKENS_A[:8]) == 0
         theirs = [o.seq_rm(*call) for call in calls]
-        assert o.state_get_data() == ctx.state_get_data() == before
+        assert o.state_get_data() == ctx.state_get_data()
         assert o.seq_rm(0, 0, -1) is True and o.seq_pos_max(0) == -1
     assert ours == theirs and ours[:3] == [False, False, False]
     assert ctx.memory.seq_pos_max(0) == 7
@@ -112,8 +156,9 @@ def test_seq_rm_of_a_middle_range_fails_and_changes_nothing(paths, models):
 
 
 @pytest.mark.llama_cpp
-def test_state_saves_and_loads_exactly_and_matches_llama_cpps_layout(paths, models, nmse):
-    ctx = _context(models["f32"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_state_saves_and_loads_exactly_and_matches_llama_cpps_layout(paths, models, nmse, name):
+    ctx = _context(models[name])
     _feed(ctx, TOKENS_A[:8])
     data, seq_data = ctx.state_get_data(), ctx.state_seq_get_data(0)
     next_logits = _feed(ctx, TOKENS_A[8:10], pos0=8)
@@ -124,7 +169,7 @@ def test_state_saves_and_loads_exactly_and_matches_llama_cpps_layout(paths, mode
     ctx.memory.clear()
     ctx.state_seq_set_data(seq_data, 0)
     assert np.array_equal(_feed(ctx, TOKENS_A[8:10], pos0=8), next_logits)
-    with LlamaCppOracle(paths["f32"], n_ctx=256) as o:
+    with LlamaCppOracle(paths[name], n_ctx=256) as o:
         assert o.decode(TOKENS_A[:8]) == 0
         assert o.state_get_data() == data                # the same layout and bytes
         assert o.state_seq_get_data(0) == seq_data
@@ -134,8 +179,9 @@ def test_state_saves_and_loads_exactly_and_matches_llama_cpps_layout(paths, mode
         assert np.array_equal(o.logits_ith(-1), next_logits)
 
 
-def test_sequence_state_copies_into_another_sequence(models):
-    ctx = _context(models["f32"], n_seq_max=2)
+@pytest.mark.parametrize("name", ARCHS)
+def test_sequence_state_copies_into_another_sequence(models, name):
+    ctx = _context(models[name], n_seq_max=2)
     _feed(ctx, TOKENS_A[:6])
     blob = ctx.state_seq_get_data(0)
     ctx.state_seq_set_data(blob, 1)
@@ -148,30 +194,34 @@ def test_sequence_state_copies_into_another_sequence(models):
     assert np.array_equal(c, d)
 
 
-def test_a_corrupted_state_changes_nothing(models):
-    ctx = _context(models["f32"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_a_corrupted_state_changes_nothing(models, name):
+    ctx = _context(models[name])
     _feed(ctx, TOKENS_A[:5])
     good = ctx.state_get_data()
-    for bad in (good[:-3], good[:20], good[:-1] + b"\x00\x00", good.replace(b"mamba", b"mambo")):
+    arch = name.split("-")[0].encode()
+    for bad in (good[:-3], good[:20], good[:-1] + b"\x00\x00", good.replace(arch, b"x" * len(arch))):
         with pytest.raises(StateError):
             ctx.state_set_data(bad)
         assert ctx.state_get_data() == good
 
 
-def test_a_failed_decode_rolls_the_state_back(models):
-    ctx = _context(models["f32"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_a_failed_decode_rolls_the_state_back(models, name):
+    ctx = _context(models[name])
     _feed(ctx, TOKENS_A[:5])
     before = ctx.state_get_data()
     ctx.abort_callback = lambda: True
     assert ctx.decode(llamir.Batch.from_tokens(TOKENS_A[5:8], pos0=5)) == 2
     ctx.abort_callback = None
     assert ctx.state_get_data() == before
-    bad = llamir.Batch.from_tokens([models["f32"].hparams.n_vocab + 5], pos0=5)
+    bad = llamir.Batch.from_tokens([models[name].hparams.n_vocab + 5], pos0=5)
     assert ctx.decode(bad) == -1 and "token" in ctx.last_error
     assert ctx.state_get_data() == before
 
 
-def test_a_sequence_id_past_the_cells_is_refused(models):
-    ctx = _context(models["f32"], n_seq_max=2)
+@pytest.mark.parametrize("name", ARCHS)
+def test_a_sequence_id_past_the_cells_is_refused(models, name):
+    ctx = _context(models[name], n_seq_max=2)
     status = ctx.decode(llamir.Batch.from_tokens(TOKENS_A[:3], seq_id=2))
     assert status == -1 and "seq_id" in ctx.last_error
