@@ -75,6 +75,16 @@ class Model:
             data = data.view(np.uint16).reshape(t.shape)
         return data
 
+    @property
+    def has_encoder(self) -> bool:
+        """llama_model_has_encoder: an encoder-decoder (t5), which decodes after an encode."""
+        return self.arch is not None and self.arch.has_encoder
+
+    def decoder_start_token(self) -> int:
+        """llama_model_decoder_start_token: the token a decoder starts from ({arch}.decoder_start_token_id),
+        or -1 when the file sets none (llama.cpp's tools then take the vocab's BOS)."""
+        return getattr(self.hparams.extra, "dec_start_token_id", -1) if self.hparams is not None else -1
+
     def build_graph(self, config: GraphConfig) -> BuiltGraph:
         """The architecture's graph for `config` (symbolic in T, n_kv and n_out), with its input
         specs, memory layouts and layer map."""

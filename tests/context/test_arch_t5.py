@@ -180,10 +180,11 @@ def test_buckets_are_llama_cpps():
 @pytest.mark.llama_cpp
 def test_hparams_are_llama_cpps(model_paths):
     for name, path in model_paths.items():
-        hp = llamir.load_model(path).hparams
+        model = llamir.load_model(path)
+        hp = model.hparams
         with LlamaCppOracle(path, n_ctx=N_CTX) as o:
-            assert o.has_encoder()
-            assert hp.extra.dec_start_token_id == o.decoder_start_token() == 0
+            assert o.has_encoder() and model.has_encoder
+            assert hp.extra.dec_start_token_id == model.decoder_start_token() == o.decoder_start_token() == 0
         assert hp.extra.n_rel_attn_bkts == 32
         assert hp.extra.dec_n_layer == (MODELS[name].n_dec_layer or MODELS[name].n_layer)
 
