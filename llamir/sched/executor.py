@@ -88,8 +88,8 @@ class SplitMemory:
         node = ref.src if isinstance(ref, InputCopy) else ref
         dtype = storage_dtype(node.dtype)
         shape = storage_shape(tuple(int(d) for d in node.type.shape), node.dtype)
-        strides = tuple(t.layout[2][:-1]) + (dtype.itemsize,)
-        return TensorData(buffer, address.offset, shape, dtype, strides, t.nbytes)
+        # the tensor's own layout: a copy of a strided view keeps the view's strides (ggml_dup_tensor_layout)
+        return TensorData(buffer, address.offset, shape, dtype, storage_strides(node, tuple(t.layout[2])), t.nbytes)
 
     def slot(self, ref) -> np.ndarray | None:
         """The typed host array at `ref`'s allocated address (None when it is not allocated)."""

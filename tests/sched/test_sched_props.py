@@ -121,3 +121,25 @@ def test_random_graphs_on_random_devices(data):
     want = Interpreter().run(graph, values)
     for name in want:
         assert np.array_equal(got[name], want[name], equal_nan=True), name
+
+
+def test_a_strided_view_crossing_devices_keeps_its_layout():
+    """A transposed or permuted view computed on the CPU and read by a device split is copied with
+    its strides (ggml_dup_tensor_layout), so the device reads the same elements (t5 and mamba
+    transpose activations into device layers)."""
+    from llamir.backends import get_backend
+
+    rng = np.random.default_rng(0)
+    for make in (lambda b, s: b.transpose(s), lambda b, s: b.permute(s, 2, 0, 1)):
+        b = GraphBuilder("view_copy")
+        s = b.scale(b.input("x", [3, 4, 5], F32), 2.0)
+        z = b.cont(make(b, s))
+        b.output("out", b.mul_mat(b.weight("w", [6, z.shape[-1]], F32), z))
+        gpu = backend_from_spec("sim:gpu0:ops=cont,mul_mat:offload=off")
+        sched = Scheduler([gpu, get_backend("numpy")], {"w": TensorBuffer(gpu.device.buffer_type())})
+        values = {"x": rng.standard_normal((3, 4, 5)).astype(np.float32),
+                  "w": rng.standard_normal((6, z.shape[-1])).astype(np.float32)}
+        scheduled = sched.alloc_graph(b.graph)
+        assert scheduled.plan.n_splits == 2
+        got = sched.graph_compute(scheduled, values)["out"]
+        assert np.array_equal(got, Interpreter().run(b.graph, values)["out"])
