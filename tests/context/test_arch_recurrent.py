@@ -225,3 +225,16 @@ def test_a_sequence_id_past_the_cells_is_refused(models, name):
     ctx = _context(models[name], n_seq_max=2)
     status = ctx.decode(llamir.Batch.from_tokens(TOKENS_A[:3], seq_id=2))
     assert status == -1 and "seq_id" in ctx.last_error
+
+
+@pytest.mark.parametrize("name,n_gpu_layers", [("mamba-f32", 2), ("jamba-q8_0-moe", 3)])
+def test_split_over_a_device_gives_the_cpus_logits(models, name, n_gpu_layers):
+    """Some layers (and their recurrent state) on a simulated device, the rest on the CPU: the same
+    logits bit for bit, in several splits."""
+    from llamir.frontend.placement import PlacementParams
+    from llamir.testing.conformance import assert_device_matches_cpu
+
+    ctx = assert_device_matches_cpu(models[name], placement=PlacementParams(n_gpu_layers=n_gpu_layers))
+    breakdown = ctx.memory_breakdown()
+    device = next(label for label in breakdown if label != "cpu")
+    assert breakdown[device]["context"] > 0     # the offloaded layers' state lives in the device's memory

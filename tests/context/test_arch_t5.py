@@ -87,10 +87,10 @@ def _llama_cpp(path, flash_attn: bool) -> dict[str, np.ndarray]:
     return _ORACLE_RUNS[key]
 
 
-def _llamir(path, backend: str, flash_attn: bool) -> dict[str, np.ndarray]:
+def _llamir(path, backend: str, flash_attn: bool, **params) -> dict[str, np.ndarray]:
     model = llamir.load_model(path)
     ctx = llamir.Context(model, n_ctx=N_CTX, backend=backend, numerics=oracle_numerics(),
-                         flash_attn="on" if flash_attn else "off")
+                         flash_attn="on" if flash_attn else "off", **params)
 
     def decode(tokens, pos0, all_logits):
         status = ctx.decode(llamir.Batch.from_tokens(tokens, pos0=pos0, logits="all" if all_logits else "last"))
@@ -281,3 +281,17 @@ def test_files_llama_cpp_would_abort_on_are_refused(tmp_path, monkeypatch, n_hea
     path = _bad_file(tmp_path, monkeypatch, SynthSpec(arch="t5", n_head=4, n_head_kv=n_head_kv), **keys)
     with pytest.raises(llamir.ModelError, match=message):
         llamir.load_model(path)
+
+
+@pytest.mark.parametrize("n_gpu_layers", [1, 2, 99])
+def test_split_over_a_device_gives_the_cpus_logits(model_paths, n_gpu_layers):
+    """Some decoder layers (and the encoder's) on a simulated device: the same logits bit for bit
+    (the encoder output and transposed activations cross between the splits)."""
+    from llamir.frontend.placement import PlacementParams
+
+    want = _llamir(model_paths["relu"], "llvm", False)
+    got = _llamir(model_paths["relu"], "llvm", False, devices=["sim:gpu0"],
+                  placement=PlacementParams(n_gpu_layers=n_gpu_layers))
+    for case, rows in want.items():
+        np.testing.assert_array_equal(got[case], rows, err_msg=case)
+
