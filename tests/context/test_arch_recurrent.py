@@ -238,3 +238,64 @@ def test_split_over_a_device_gives_the_cpus_logits(models, name, n_gpu_layers):
     breakdown = ctx.memory_breakdown()
     device = next(label for label in breakdown if label != "cpu")
     assert breakdown[device]["context"] > 0     # the offloaded layers' state lives in the device's memory
+
+
+def _positions_scenario(decode, memory_op, logits_last, pos_max):
+    """Sequence operations on a state, then decodes that continue it; the positions and logits."""
+    out = []
+    assert decode(TOKENS_A[:6], 0, 0) == 0
+    memory_op("seq_add", 0, 0, -1, 4)                 # the state's position moves 5 -> 9
+    out.append(pos_max(0))
+    assert decode(TOKENS_A[6:8], 10, 0) == 0
+    out.append(logits_last())
+    memory_op("seq_div", 0, 0, -1, 2)                 # 11 -> 5
+    memory_op("seq_cp", 0, 1, -1, -1)                 # 1 shares 0's cell
+    out += [pos_max(0), pos_max(1)]
+    assert decode(TOKENS_A[8:10], 6, 1) == 0          # 1 gets its own cell, 0 keeps its state
+    out.append(logits_last())
+    assert decode(TOKENS_A[8:10], 6, 0) == 0
+    out.append(logits_last())
+    memory_op("seq_keep", 1)
+    out += [pos_max(0), pos_max(1)]
+    return out
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("name", ARCHS)
+def test_sequence_operations_match_llama_cpp(paths, models, name):
+    """seq_add and seq_div move a state's position, seq_cp shares it until one side decodes,
+    seq_keep drops the others: the positions and the logits that follow are llama.cpp's."""
+    ctx = _context(models[name], n_seq_max=2, kv_unified=True)
+
+    def decode(tokens, pos0, seq):
+        return ctx.decode(llamir.Batch.from_tokens(tokens, pos0=pos0, seq_id=seq, logits="last"))
+
+    ours = _positions_scenario(decode, lambda op, *a: getattr(ctx.memory, op)(*a),
+                               lambda: ctx.get_logits_ith(-1).copy(), ctx.memory.seq_pos_max)
+    with LlamaCppOracle(paths[name], n_ctx=256, n_seq_max=2, kv_unified=True) as o:
+        theirs = _positions_scenario(lambda t, p, s: o.decode(t, pos0=p, seq_id=s), lambda op, *a: getattr(o, op)(*a),
+                                     lambda: o.logits_ith(-1), o.seq_pos_max)
+    for a, b in zip(ours, theirs, strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("pooling", ["none", "last"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_embeddings_split_by_sequence_match_llama_cpp(paths, models, nmse, name, pooling):
+    """embeddings=True makes every token an output, so the batch splits by sequence (split_seq);
+    the per-token and pooled embeddings of two sequences are llama.cpp's."""
+    tokens, pos = TOKENS_A[:5] + TOKENS_B[:4], [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    seqs = [(0,)] * 5 + [(1,)] * 4
+    ctx = _context(models[name], n_seq_max=2, kv_unified=True, embeddings=True, pooling_type=pooling)
+    assert ctx.decode(llamir.Batch(tokens=tokens, pos=pos, seq_ids=seqs)) == 0, ctx.last_error
+    with LlamaCppOracle(paths[name], n_ctx=256, n_seq_max=2, kv_unified=True, embeddings=True,
+                        pooling=pooling) as o:
+        assert o.decode_batch(tokens, pos, seqs, [True] * len(tokens)) == 0
+        if pooling == "none":
+            got = np.stack([ctx.get_embeddings_ith(i) for i in range(len(tokens))])
+            want = np.stack([o.embeddings_ith(i) for i in range(len(tokens))])
+        else:
+            got = np.stack([ctx.get_embeddings_seq(s) for s in (0, 1)])
+            want = np.stack([o.embeddings_seq(s) for s in (0, 1)])
+    assert nmse(got, want) == 0.0
