@@ -145,6 +145,19 @@ def test_model_matches_llama_cpp(vulkan, conformance_model, dtype):
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
+@pytest.mark.parametrize("spec", [SynthSpec(arch="mamba", n_layer=2, n_embd=64, seed=3),
+                                  SynthSpec(arch="jamba", n_layer=3, n_embd=64, n_head=4, n_head_kv=2, seed=5)],
+                         ids=["mamba", "jamba"])
+def test_recurrent_models_match_llama_cpp(vulkan, tmp_path, spec):
+    """Recurrent state in device memory; ssm_conv and ssm_scan, which the device does not run,
+    on the CPU between its splits: llama.cpp's logits within tolerance."""
+    path = write_model(tmp_path / "m.gguf", spec)
+    model = llamir.load_model(path)
+    for mode in ("batch", "incremental"):
+        got, want = llamir_logits(model, mode, "vulkan"), llama_cpp_logits(path, mode)
+        assert _nmse(got, want) < FLOAT_NMSE, (mode, _nmse(got, want))
+
+
 @pytest.mark.parametrize("placement", [
     PlacementParams(n_gpu_layers=1), PlacementParams(n_gpu_layers=2),
     PlacementParams(n_gpu_layers=99, overrides=((r"ffn_.*", "cpu"),)),
