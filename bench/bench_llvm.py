@@ -6,7 +6,8 @@ Models: a ~5M and a ~110M random-weight llama (12 layers, n_embd 768, vocab 3200
 q8_0, q4_0, q4_k and q6_k, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1.
 Named in --models only: a 1.03B one of TinyLlama's shape (large-f16, large-q8_0, large-q4_0,
 large-q6_k; the q6_k one takes minutes to write), whose weights no L3 here holds: its tg128 row
-is the memory-bound roofline test.
+is the memory-bound roofline test; and the recurrent models mamba130m-f32, mamba130m-q8_0 (Mamba-130M's
+shape) and jamba-q8_0 (hybrid).
 Each engine runs pp128, pp512 and tg128 with the same thread count, timed the same way (llamir.cli_bench:
 median of the prompt runs, generation rate from the median token). Also reported: the memory
 bandwidth measured here and the token-generation roofline it implies (weight bytes per token /
@@ -55,6 +56,15 @@ BIG = dict(n_layer=12, n_embd=768, n_head=12, n_head_kv=12, n_ff=2048, n_vocab=3
 # TinyLlama-1.1B's shape (1.03B params with tied embeddings): weights that no L3 here holds, for
 # the token-generation roofline where memory bandwidth is the limit. Only when named in --models.
 LARGE = dict(n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632, n_vocab=32000, tied=True)
+# Mamba-130M's shape (24 Mamba-1 blocks of 768, d_state 16, dt_rank 48) and a jamba of 8 blocks (every
+# other one attention), random weights: the recurrent and hybrid memories. Only when named in --models.
+MAMBA = dict(n_layer=24, n_embd=768, n_vocab=32000, tied=True, ssm_dt_rank=48, seed=1)
+RECURRENT = {
+    "mamba130m-f32": SynthSpec(arch="mamba", dtype="f32", **MAMBA),
+    "mamba130m-q8_0": SynthSpec(arch="mamba", dtype="q8_0", **MAMBA),
+    "jamba-q8_0": SynthSpec(arch="jamba", dtype="q8_0", n_layer=8, n_embd=768, n_head=12, n_head_kv=4, n_ff=2048,
+                            n_vocab=32000, tied=True, ssm_dt_rank=48, seed=1),
+}
 DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k")
 LARGE_DTYPES = ("f16", "q8_0", "q4_0", "q6_k")
 TESTS = (("pp128", 128, 0), ("pp512", 512, 0), ("tg128", 0, 128))
@@ -72,6 +82,12 @@ def model_paths(selected: list[str] | None) -> dict[str, Path]:
             path = root / f"llama-{name}.gguf"
             if not path.exists():
                 write_model(path, SynthSpec(arch="llama", dtype=dtype, seed=1, **spec))
+            out[name] = path
+    for name, arch_spec in RECURRENT.items():   # only when named in --models
+        if selected and name in selected:
+            path = root / f"{name}.gguf"
+            if not path.exists():
+                write_model(path, arch_spec)
             out[name] = path
     if not selected or "smollm2-q4_1" in selected:
         from llamir.frontend.default_model import default_model_path
