@@ -33,6 +33,22 @@ class SeqOpError(ValueError):
     was changed."""
 
 
+def seq_int32(op: str, name: str, value) -> int:
+    """A sequence operation's integer argument, checked (SeqOpError: what llama.cpp would take as
+    something else, or truncate)."""
+    if not is_integer(value):
+        raise SeqOpError(f"{op}: {name} = {value!r} is not an integer")
+    if not I32_MIN <= value <= I32_MAX:
+        raise SeqOpError(f"{op}: {name} = {int(value)} is out of the int32 range")
+    return int(value)
+
+
+def seq_positions(op: str, p0, p1) -> tuple[int, int]:
+    """[p0, p1) with llama.cpp's conventions: p0 < 0 is 0, p1 < 0 is +inf."""
+    p0, p1 = seq_int32(op, "p0", p0), seq_int32(op, "p1", p1)
+    return (max(p0, 0), POS_MAX if p1 < 0 else p1)
+
+
 class MemoryStatus(IntEnum):
     SUCCESS = 0
     NO_UPDATE = 1
@@ -414,18 +430,6 @@ class KVCache(Memory):
             raise SeqOpError(f"{op}: seq_id = {int(seq_id)} is out of range [0, {n}){every}")
         return int(seq_id)
 
-    @staticmethod
-    def _int32(op: str, name: str, value) -> int:
-        if not is_integer(value):
-            raise SeqOpError(f"{op}: {name} = {value!r} is not an integer")
-        if not I32_MIN <= value <= I32_MAX:
-            raise SeqOpError(f"{op}: {name} = {int(value)} is out of the int32 range")
-        return int(value)
-
-    def _positions(self, op: str, p0, p1) -> tuple[int, int]:
-        """[p0, p1) with llama.cpp's conventions: p0 < 0 is 0, p1 < 0 is +inf."""
-        p0, p1 = self._int32(op, "p0", p0), self._int32(op, "p1", p1)
-        return (max(p0, 0), POS_MAX if p1 < 0 else p1)
 
     def _stream_ids(self, seq_id: int) -> list[int]:
         return [self.seq_to_stream[seq_id]] if seq_id >= 0 else list(range(self.n_stream))
@@ -437,7 +441,7 @@ class KVCache(Memory):
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove [p0, p1) of seq_id (every sequence when seq_id is -1). Always True for this cache."""
         seq_id = self._seq("seq_rm", seq_id, allow_all=True)
-        p0, p1 = self._positions("seq_rm", p0, p1)
+        p0, p1 = seq_positions("seq_rm", p0, p1)
         for stream in self._stream_ids(seq_id):
             cells = self.v_cells[stream]
             in_range = (cells.pos >= p0) & (cells.pos < p1)
@@ -456,7 +460,7 @@ class KVCache(Memory):
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         src, dst = self._seq("seq_cp", src), self._seq("seq_cp", dst)
-        raw0, raw1 = self._int32("seq_cp", "p0", p0), self._int32("seq_cp", "p1", p1)
+        raw0, raw1 = seq_int32("seq_cp", "p0", p0), seq_int32("seq_cp", "p1", p1)
         s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
         if s0 == s1:
             if src == dst:
@@ -496,8 +500,8 @@ class KVCache(Memory):
         """Move [p0, p1) of seq_id by `shift`; cells moved below 0 are freed. A shift that would
         take a position past the int32 range is refused (in llama.cpp it overflows)."""
         seq_id = self._seq("seq_add", seq_id)
-        p0, p1 = self._positions("seq_add", p0, p1)
-        shift = self._int32("seq_add", "shift", shift)
+        p0, p1 = seq_positions("seq_add", p0, p1)
+        shift = seq_int32("seq_add", "shift", shift)
         stream = self.seq_to_stream[seq_id]
         cells = self.v_cells[stream]
         if shift == 0 or p0 == p1:
@@ -519,8 +523,8 @@ class KVCache(Memory):
         """Divide the positions in [p0, p1) of seq_id by d >= 1 (llama.cpp divides by 0 and crashes,
         and a negative d makes negative positions: both are refused)."""
         seq_id = self._seq("seq_div", seq_id)
-        p0, p1 = self._positions("seq_div", p0, p1)
-        d = self._int32("seq_div", "d", d)
+        p0, p1 = seq_positions("seq_div", p0, p1)
+        d = seq_int32("seq_div", "d", d)
         if d <= 0:
             raise SeqOpError(f"seq_div: d = {d}; positions can only be divided by d >= 1")
         cells = self.v_cells[self.seq_to_stream[seq_id]]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llamir.context.batch import I32_MAX, I32_MIN, BatchAllocator, UBatch, is_integer
-from llamir.context.kv_cache import MemoryStatus, SeqOpError
+from llamir.context.batch import I32_MAX, BatchAllocator, UBatch
+from llamir.context.kv_cache import MemoryStatus, SeqOpError, seq_int32, seq_positions
 from llamir.context.memory import Memory, host_array, place_tensors, put_back, zero_tensors
 from llamir.frontend.graph_rs import RSLayout, cache_r_name, cache_s_name
 
@@ -247,18 +247,6 @@ class RecurrentMemory(Memory):
             zero_tensors(self.tensors)
 
     # -- sequence operations ----------------------------------------------------------------------
-    @staticmethod
-    def _int32(op: str, name: str, value) -> int:
-        if not is_integer(value):
-            raise SeqOpError(f"{op}: {name} = {value!r} is not an integer")
-        if not I32_MIN <= value <= I32_MAX:
-            raise SeqOpError(f"{op}: {name} = {int(value)} is out of the int32 range")
-        return int(value)
-
-    def _range(self, op: str, p0, p1) -> tuple[int, int]:
-        p0, p1 = self._int32(op, "p0", p0), self._int32(op, "p1", p1)
-        return max(p0, 0), POS_MAX if p1 < 0 else p1
-
     def _tail_cell(self, seq_id: int) -> Cell | None:
         if 0 <= seq_id < self.size and self.cells[seq_id].tail >= 0:
             return self.cells[self.cells[seq_id].tail]
@@ -268,8 +256,8 @@ class RecurrentMemory(Memory):
         """Drop [p0, p1) of seq_id (every sequence for a negative id). False, with nothing changed,
         when the range would cut a state: 0 < p0 <= its position < p1, or a negative id with a
         range neither empty nor everything, or an id out of range."""
-        seq_id = self._int32("seq_rm", "seq_id", seq_id)
-        p0, p1 = self._range("seq_rm", p0, p1)
+        seq_id = seq_int32("seq_rm", "seq_id", seq_id)
+        p0, p1 = seq_positions("seq_rm", p0, p1)
         if seq_id >= self.n_seq_max:
             log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
             return False
@@ -306,24 +294,18 @@ class RecurrentMemory(Memory):
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """dst shares src's state cell (the whole state: a range is not a part of it)."""
-        src, dst = self._int32("seq_cp", "src", src), self._int32("seq_cp", "dst", dst)
-        self._range("seq_cp", p0, p1)
+        src, dst = seq_int32("seq_cp", "src", src), seq_int32("seq_cp", "dst", dst)
+        seq_positions("seq_cp", p0, p1)
         if src == dst or not (0 <= src < self.size and 0 <= dst < self.size):
             return
-        seq_src, seq_dst = self.cells[src], self.cells[dst]
-        if seq_dst.tail >= 0:   # dst's own state goes
-            cell = self.cells[seq_dst.tail]
-            cell.seq_id.discard(dst)
-            seq_dst.tail = -1
-            if cell.is_empty():
-                cell.pos = cell.src = -1
-                self.used -= 1
-        if seq_src.tail >= 0:
-            self.cells[seq_src.tail].seq_id.add(dst)
-            seq_dst.tail = seq_src.tail
+        self._detach(dst)   # dst's own state goes
+        tail = self.cells[src].tail
+        if tail >= 0:
+            self.cells[tail].seq_id.add(dst)
+            self.cells[dst].tail = tail
 
     def seq_keep(self, seq_id: int) -> None:
-        seq_id = self._int32("seq_keep", "seq_id", seq_id)
+        seq_id = seq_int32("seq_keep", "seq_id", seq_id)
         new_head = self.size
         for i, cell in enumerate(self.cells):
             if i != seq_id:
@@ -340,8 +322,8 @@ class RecurrentMemory(Memory):
             self.head = new_head
 
     def _tail_in_range(self, op: str, seq_id, p0, p1) -> Cell | None:
-        seq_id = self._int32(op, "seq_id", seq_id)
-        p0, p1 = self._range(op, p0, p1)
+        seq_id = seq_int32(op, "seq_id", seq_id)
+        p0, p1 = seq_positions(op, p0, p1)
         cell = self._tail_cell(seq_id) if p0 != p1 else None
         if cell is not None and seq_id in cell.seq_id and p0 <= cell.pos < p1:
             return cell
@@ -349,13 +331,13 @@ class RecurrentMemory(Memory):
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """Only the state's position moves."""
-        shift = self._int32("seq_add", "shift", shift)
+        shift = seq_int32("seq_add", "shift", shift)
         cell = self._tail_in_range("seq_add", seq_id, p0, p1)
         if shift and cell is not None:
             cell.pos += shift
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        d = self._int32("seq_div", "d", d)
+        d = seq_int32("seq_div", "d", d)
         if d == 0:
             raise SeqOpError("seq_div: d = 0")
         cell = self._tail_in_range("seq_div", seq_id, p0, p1)

@@ -11,7 +11,15 @@ from __future__ import annotations
 import math
 
 from llamir.frontend.arch.base import QK_GAIN, ROPE_NONE, ArchError, Architecture, TensorSpec, register_arch
-from llamir.frontend.arch.mamba import MambaHParams, build_mamba_layer, load_ssm_hparams, ssm_layout, ssm_specs
+from llamir.frontend.arch.mamba import (
+    MambaHParams,
+    build_mamba_layer,
+    load_ssm_hparams,
+    ssm_layout,
+    ssm_specs,
+    ssm_synth_extra,
+    write_ssm_metadata,
+)
 from llamir.frontend.arch.moe import expert_specs
 from llamir.frontend.graph_rs import RSLayout
 
@@ -97,8 +105,7 @@ class Jamba(Architecture):
         return tuple(spec.n_head_kv if il % 2 == 1 else 0 for il in range(spec.n_layer))
 
     def synth_extra(self, spec) -> MambaHParams:
-        return MambaHParams(d_conv=spec.ssm_d_conv, d_inner=2 * spec.n_embd, d_state=spec.ssm_d_state,
-                            dt_rank=spec.ssm_dt_rank)
+        return ssm_synth_extra(spec)
 
     def synth_check(self, spec) -> None:
         if spec.n_layer < 2:
@@ -108,11 +115,7 @@ class Jamba(Architecture):
                              f"n_embd, got {spec.n_embd_head}*{spec.n_head}")
 
     def synth_metadata(self, w, spec) -> None:
-        x = self.synth_extra(spec)
-        w.add_ssm_conv_kernel(x.d_conv)
-        w.add_ssm_inner_size(x.d_inner)
-        w.add_ssm_state_size(x.d_state)
-        w.add_ssm_time_step_rank(x.dt_rank)
+        write_ssm_metadata(w, spec)
         if spec.n_expert:
             w.add_expert_count(spec.n_expert)
             w.add_expert_used_count(spec.n_expert_used)

@@ -72,19 +72,14 @@ class Mamba(Architecture):
 
     # -- synthetic models -------------------------------------------------------------------
     def synth_extra(self, spec) -> MambaHParams:
-        return MambaHParams(d_conv=spec.ssm_d_conv, d_inner=2 * spec.n_embd, d_state=spec.ssm_d_state,
-                            dt_rank=spec.ssm_dt_rank)
+        return ssm_synth_extra(spec)
 
     def synth_check(self, spec) -> None:
         if spec.ssm_d_conv < 2:
             raise ValueError(f"ssm_d_conv={spec.ssm_d_conv}: the conv needs a window of at least 2")
 
     def synth_metadata(self, w, spec) -> None:
-        x = self.synth_extra(spec)
-        w.add_ssm_conv_kernel(x.d_conv)
-        w.add_ssm_inner_size(x.d_inner)
-        w.add_ssm_state_size(x.d_state)
-        w.add_ssm_time_step_rank(x.dt_rank)
+        write_ssm_metadata(w, spec)
 
 
 def load_ssm_hparams(f, hp, dt_b_c_rms: bool) -> None:
@@ -104,6 +99,21 @@ def load_ssm_hparams(f, hp, dt_b_c_rms: bool) -> None:
         raise ArchError(f"{f.path}: {key}inner_size = {values['d_inner']}: only an expansion factor of 2 is "
                         f"supported (2 * n_embd = {2 * hp.n_embd})")
     hp.extra = MambaHParams(**values, dt_b_c_rms=dt_b_c_rms)
+
+
+def ssm_synth_extra(spec) -> MambaHParams:
+    """The ssm hparams of a synthetic model: d_inner = 2 n_embd, as llama.cpp requires."""
+    return MambaHParams(d_conv=spec.ssm_d_conv, d_inner=2 * spec.n_embd, d_state=spec.ssm_d_state,
+                        dt_rank=spec.ssm_dt_rank)
+
+
+def write_ssm_metadata(w, spec) -> None:
+    """The ssm.* keys of a synthetic model."""
+    x = ssm_synth_extra(spec)
+    w.add_ssm_conv_kernel(x.d_conv)
+    w.add_ssm_inner_size(x.d_inner)
+    w.add_ssm_state_size(x.d_state)
+    w.add_ssm_time_step_rank(x.dt_rank)
 
 
 def ssm_layout(hp, size: int, layers: tuple[int, ...]) -> RSLayout:
