@@ -194,7 +194,7 @@ def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_pr
 
 def _clear(ctx) -> Callable[[], None]:
     def clear() -> None:
-        ctx.memory.seq_rm(-1, -1, -1)
+        ctx.memory.clear(False)
     return clear
 
 
@@ -234,9 +234,9 @@ def _token_breakdown(ctx, be, gen: list[int]) -> dict:
     def per_token(lane: bool) -> tuple[float, float]:
         """Seconds per token, and of them in the executable's call."""
         ctx.fast_token_decode = lane
-        ctx.memory.seq_rm(-1, -1, -1)
+        ctx.memory.clear(False)
         _ok(ctx, llamir.Batch.from_tokens([gen[0]], pos0=0))     # arms the lane
-        ctx.memory.seq_rm(-1, -1, -1)
+        ctx.memory.clear(False)
         spent["call"] = 0.0
         n = min(len(gen), 32)
         t0 = time.perf_counter()
@@ -276,7 +276,7 @@ def bench_llama_cpp(path: str | Path, threads: int = 2, n_prompt: int = 512, n_g
     with LlamaCppOracle(path, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=threads,
                         flash_attn=flash_attn == "on") as o:
         def clear() -> None:
-            o._lib.llama_memory_seq_rm(o._mem, -1, -1, -1)
+            o.clear()   # llama_memory_clear: a recurrent memory refuses seq_rm of every sequence (-1)
 
         def decode(tokens, pos0=0, logits="last"):
             status = o.decode(tokens, pos0=pos0, logits=logits)

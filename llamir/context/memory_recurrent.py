@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llamir.context.batch import I32_MAX, BatchAllocator, UBatch
+from llamir.context.batch import BatchAllocator, UBatch
 from llamir.context.kv_cache import MemoryStatus, SeqOpError, seq_int32, seq_positions
 from llamir.context.memory import Memory, host_array, place_tensors, put_back, zero_tensors
 from llamir.frontend.graph_rs import RSLayout, cache_r_name, cache_s_name
 
 log = logging.getLogger("llamir")
-POS_MAX = I32_MAX
 
 
 @dataclass
@@ -253,33 +252,28 @@ class RecurrentMemory(Memory):
         return None
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Drop [p0, p1) of seq_id (every sequence for a negative id). False, with nothing changed,
-        when the range would cut a state: 0 < p0 <= its position < p1, or a negative id with a
-        range neither empty nor everything, or an id out of range."""
+        """Drop [p0, p1) of seq_id. False, with nothing changed, when the range would cut a state
+        (0 < p0 <= its position < p1) or the id is outside [0, n_seq_max): llama.cpp compares it
+        unsigned, so -1 ("every sequence") is refused too; clear() empties the memory."""
         seq_id = seq_int32("seq_rm", "seq_id", seq_id)
         p0, p1 = seq_positions("seq_rm", p0, p1)
-        if seq_id >= self.n_seq_max:
+        if not 0 <= seq_id < self.n_seq_max:   # llama.cpp compares it unsigned: -1 (every sequence) too
             log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
             return False
         if seq_id >= self.size:
             return False
-        if seq_id >= 0:
-            tail = self.cells[seq_id].tail
-            if tail >= 0:
-                cell = self.cells[tail]
-                if 0 < p0 <= cell.pos < p1:
-                    return False   # a partial erase at the end: the state before p0 is gone
-                if p0 <= cell.pos < p1:
-                    self.cells[seq_id].tail = -1
-        elif p0 != p1 and (p0 != 0 or p1 != POS_MAX):
-            return False
+        tail = self.cells[seq_id].tail
+        if tail >= 0:
+            cell = self.cells[tail]
+            if 0 < p0 <= cell.pos < p1:
+                return False   # a partial erase at the end: the state before p0 is gone
+            if p0 <= cell.pos < p1:
+                self.cells[seq_id].tail = -1
         new_head = self.size
         for i, cell in enumerate(self.cells):
             if not p0 <= cell.pos < p1:
                 continue
-            if seq_id < 0:
-                cell.seq_id.clear()
-            elif seq_id in cell.seq_id:
+            if seq_id in cell.seq_id:
                 cell.seq_id.discard(seq_id)
             else:
                 continue

@@ -140,17 +140,17 @@ def test_seq_rm_of_a_middle_range_fails_and_changes_nothing(paths, models, name)
     ctx = _context(models[name])
     _feed(ctx, TOKENS_A[:8])                          # the state is at position 7
     before = ctx.state_get_data()
-    refused = [(0, 4, 8), (0, 4, -1), (-1, 3, 5)]
-    assert [ctx.memory.seq_rm(*call) for call in refused] == [False] * 3
+    refused = [(0, 4, 8), (0, 4, -1), (-1, 3, 5), (-1, -1, -1)]   # llama.cpp refuses seq_id -1 too
+    assert [ctx.memory.seq_rm(*call) for call in refused] == [False] * 4
     assert ctx.state_get_data() == before                # nothing changed, in either memory
     calls = [*refused, (0, 2, 5), (0, 20, -1)]           # before the state: a hybrid's KV cells go
-    ours = [False] * 3 + [ctx.memory.seq_rm(*call) for call in calls[3:]]
+    ours = [False] * 4 + [ctx.memory.seq_rm(*call) for call in calls[4:]]
     with LlamaCppOracle(paths[name], n_ctx=256) as o:
         assert o.decode(TOKENS_A[:8]) == 0
         theirs = [o.seq_rm(*call) for call in calls]
         assert o.state_get_data() == ctx.state_get_data()
         assert o.seq_rm(0, 0, -1) is True and o.seq_pos_max(0) == -1
-    assert ours == theirs and ours[:3] == [False, False, False]
+    assert ours == theirs and ours[:4] == [False] * 4
     assert ctx.memory.seq_pos_max(0) == 7
     assert ctx.memory.seq_rm(0, 0, -1) is True and ctx.memory.seq_pos_max(0) == -1
 
