@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -81,14 +81,17 @@ class Context:
 
     def __init__(self, model: Model, params: ContextParams | None = None, *, backend: str | Backend = "llvm",
                  numerics: Numerics | str | None = None, devices: Sequence[str | Backend] = (),
-                 placement: PlacementParams | None = None, **kwargs):
+                 placement: PlacementParams | None = None, samplers: Mapping[int, object] | None = None,
+                 **kwargs):
         """`backend` runs on the CPU (a name or an instance), or names a device ("vulkan") that
         gets every layer, with the LLVM CPU backend for the rest; `numerics` is the ggml build whose
         arithmetic it reproduces (llamir.ir.numerics; default: the backend's, which is the host's);
         `devices` (specs like "sim:gpu0:mem=2GiB" or backends) come first in the scheduler's
         priority order, with the model placed on them by `placement` (n_gpu_layers, split_mode,
         main_gpu, tensor_split, overrides) as llama.cpp places it. `n_threads` (0: the backend's
-        own count, the CPUs this process may use) is given to the backend."""
+        own count, the CPUs this process may use) is given to the backend. `samplers` attaches
+        backend samplers, {seq_id: llamir.sampling.Chain} (llama_context_params.samplers), reserved
+        with the worst-case graphs: see set_sampler."""
         if params is not None and kwargs:
             raise TypeError("pass either a ContextParams or keyword parameters, not both")
         self.model = model
@@ -122,6 +125,13 @@ class Context:
         # results are the same either way: off, every batch takes the general path
         self.fast_token_decode = True
         self._updater = MemoryUpdater(model, self.backend, self.cparams.rope)
+        self.samplers: dict[int, object] = {}          # llama_context's sampling.samplers
+        self.backend_samplers: dict[int, list] = {}    # seq_id -> the chain's in-graph prefix
+        for seq_id, chain in (samplers or {}).items():
+            if not hasattr(chain, "samplers"):
+                raise ContextParamsError("the backend samplers must be of type llamir.sampling.Chain "
+                                         f"(seq_id {seq_id}: {type(chain).__name__})")
+            self.set_sampler(seq_id, chain)
         if not self.runner.single:
             self.reserve()
 
@@ -158,10 +168,12 @@ class Context:
         cp = self.cparams
         memory = () if encoder or self.memory is None else self.memory.layouts
         recurrent = None if encoder else getattr(self.memory, "rs_layout", None)
+        samplers = () if encoder else tuple((seq, tuple(spec for spec, _ in prefix))
+                                            for seq, prefix in sorted(getattr(self, "backend_samplers", {}).items()))
         return GraphConfig(memory=memory, recurrent=recurrent, rope=cp.rope, flash_attn=cp.flash_attn,
                            causal_attn=cp.causal_attn and not encoder, input_kind="tokens" if has_tokens else "embd",
                            embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none",
-                           gtype="encoder" if encoder else "decoder")
+                           gtype="encoder" if encoder else "decoder", samplers=samplers)
 
     def compiled_graph(self, config: GraphConfig):
         """The symbolic graph for `config`, placed and (CPU only) compiled, built once and kept."""
@@ -245,6 +257,9 @@ class Context:
         except BatchError as err:
             return self._fail(DECODE_INVALID, f"invalid batch: {err}")
         n_tokens_all = self.balloc.n_tokens
+        problem = self._sampling_problem()
+        if problem:
+            return self._fail(DECODE_INVALID, problem)
         if n_tokens_all > cp.n_batch:
             return self._fail(DECODE_INVALID, f"n_tokens = {n_tokens_all} > n_batch = {cp.n_batch}")
         if not cp.causal_attn and cp.n_ubatch < n_tokens_all:
@@ -264,7 +279,7 @@ class Context:
             return DECODE_NO_SLOT
         if mctx.status != MemoryStatus.SUCCESS:
             return self._fail(DECODE_ALLOC, f"unexpected memory context status {mctx.status.name}")
-        self.outputs.begin(n_outputs_all)
+        self.outputs.begin(n_outputs_all, sampling=self._batch_has_sampling())
         try:
             status, message = self._run_ubatches(mctx, n_tokens_all, n_outputs_all)
         except BaseException:
@@ -364,9 +379,106 @@ class Context:
             return
         pooled = out.get("embd_pooled")
         self.outputs.write(row0, out.get("logits"), out.get("embd") if pooled is None else None)
+        if self.outputs.sampled is not None and self.backend_samplers:
+            self._extract_sampled(ubatch, out, row0)
         if pooled is not None:
             for s, seq_id in enumerate(ubatch.seq_id_unq):
                 self.outputs.embd_seq[seq_id] = np.array(pooled[s], dtype=np.float32)
+
+    def _extract_sampled(self, ubatch: UBatch, out: dict, row0: int) -> None:
+        """Each backend-sampled sequence's results into its output row (copy_tensor_async_*)."""
+        rows: dict[int, int] = {}
+        for r, i in enumerate(np.flatnonzero(ubatch.output)):
+            rows.setdefault(ubatch.seq_ids[i][0], row0 + r)
+        for seq in self.backend_samplers:
+            if seq in rows:
+                self.outputs.sampled.write(rows[seq], out.get(f"smpl{seq}_token"), out.get(f"smpl{seq}_logits"),
+                                           out.get(f"smpl{seq}_probs"), out.get(f"smpl{seq}_candidates"))
+
+    # -- backend samplers -------------------------------------------------------------------------
+    def set_sampler(self, seq_id: int, chain) -> bool:
+        """llama_set_sampler: attach `chain` (None: detach) to seq_id. The longest prefix of its
+        samplers that can run in a graph (greedy, dist, top_k, top_p, min_p, temp, logit_bias)
+        runs in the decode graph for the sequence's output row; the rest runs on the CPU when
+        `chain.sample(ctx, i)` continues from what the graph left. True when the chain is
+        attached. While any sampler is attached, a batch may have one output per sequence."""
+        from llamir.context.backend_sampling import backend_prefix
+
+        seq_id = operator.index(seq_id)
+        if not 0 <= seq_id < LLAMA_MAX_SEQ:
+            raise ContextParamsError(f"set_sampler: seq_id {seq_id} is out of range [0, {LLAMA_MAX_SEQ})")
+        self._prev = None   # the next batch builds (or finds) the graph of the new set
+        if chain is None or not getattr(chain, "samplers", None):
+            if chain is not None:
+                log.warning("set_sampler: an empty chain for seq_id %d cannot be offloaded", seq_id)
+            self.samplers.pop(seq_id, None)
+            self.backend_samplers.pop(seq_id, None)
+            return False
+        self.samplers[seq_id] = chain
+        prefix = backend_prefix(chain, self.model.hparams.n_vocab)
+        if prefix:
+            self.backend_samplers[seq_id] = prefix
+        else:
+            self.backend_samplers.pop(seq_id, None)
+        chain.backend_attach(len(prefix))
+        return True
+
+    def _sampling_problem(self) -> str:
+        """The seed's rule: with backend samplers, at most one output per sequence in a batch."""
+        if not self.samplers:
+            return ""
+        counts: dict[int, int] = {}
+        for i in np.flatnonzero(self.balloc.output):
+            for seq in self.balloc.seq_ids[i]:
+                counts[seq] = counts.get(seq, 0) + 1
+                if counts[seq] > 1:
+                    return (f"backend sampling requires at most one output token per sequence (seq_id {seq} had "
+                            f"{counts[seq]})")
+        return ""
+
+    def _batch_has_sampling(self) -> bool:
+        """Whether an output of the batch belongs to a sequence with a backend sampler."""
+        return bool(self.backend_samplers) and any(
+            seq in self.backend_samplers for i in np.flatnonzero(self.balloc.output) for seq in self.balloc.seq_ids[i])
+
+    def _sampled_row(self, i: int) -> int | None:
+        return self.outputs.sampled_row(i)
+
+    def get_sampled_token_ith(self, i: int) -> int:
+        """The token the backend sampler of batch token i's sequence drew (LLAMA_TOKEN_NULL: none)."""
+        row = self._sampled_row(i)
+        return -1 if row is None else int(self.outputs.sampled.token[row])
+
+    def _sampled(self, i: int, what: str) -> np.ndarray | None:
+        row = self._sampled_row(i)
+        if row is None:
+            return None
+        count = int(getattr(self.outputs.sampled, what + "_count")[row])
+        return getattr(self.outputs.sampled, what)[row, :count] if count else None
+
+    def get_sampled_probs_ith(self, i: int) -> np.ndarray | None:
+        """The probabilities the in-graph prefix left for batch token i (None: it made none)."""
+        return self._sampled(i, "probs")
+
+    def get_sampled_logits_ith(self, i: int) -> np.ndarray | None:
+        return self._sampled(i, "logits")
+
+    def get_sampled_candidates_ith(self, i: int) -> np.ndarray:
+        """The vocabulary ids of the sampled logits/probs entries (every id when none were narrowed)."""
+        cands = self._sampled(i, "candidates")
+        return cands if cands is not None else np.arange(self.model.hparams.n_vocab, dtype=np.int32)
+
+    def get_sampled_probs_count_ith(self, i: int) -> int:
+        row = self._sampled_row(i)
+        return 0 if row is None else int(self.outputs.sampled.probs_count[row])
+
+    def get_sampled_logits_count_ith(self, i: int) -> int:
+        row = self._sampled_row(i)
+        return 0 if row is None else int(self.outputs.sampled.logits_count[row])
+
+    def get_sampled_candidates_count_ith(self, i: int) -> int:
+        row = self._sampled_row(i)
+        return 0 if row is None else int(self.outputs.sampled.candidates_count[row])
 
     def _observer(self):
         if self.cb_eval is None and self.abort_callback is None:

@@ -400,6 +400,7 @@ class InputEnv:
     mctx: object
     causal: bool
     cross: CrossState | None = None
+    samplers: dict | None = None    # seq_id -> [(graph_sampling spec, sampler)]: the backend samplers
 
     @property
     def mask_dtype(self) -> np.dtype:
@@ -449,6 +450,51 @@ def _cls(spec, env: InputEnv) -> GraphInput:
     return InputCls(last=pooling == "last" or (pooling == "rank" and env.causal))
 
 
+@dataclass
+class InputSampling(GraphInput):
+    """llm_graph_input_sampling: per sequence with a backend sampler, the logits row it samples
+    (its output in the ubatch; the zero padding row when it has none), one uniform draw per dist
+    sampler from that sampler's RNG (llama_sampler_dist's backend_set_input, every graph run),
+    and each logit_bias sampler's biases as a dense row over the vocabulary."""
+
+    samplers: dict
+    leaf_names: tuple[str, ...] = ()
+    n_vocab: int = 0
+
+    def set_input(self, ubatch, values):
+        from llamir.frontend.graph_sampling import SampleDist, SampleLogitBias
+
+        if "smpl_pad" not in values:
+            values["smpl_pad"] = np.zeros((1, self.n_vocab), dtype=np.float32)
+        rows: dict[int, int] = {}
+        n_rows = 0
+        for i in np.flatnonzero(ubatch.output):
+            rows.setdefault(ubatch.seq_ids[i][0], n_rows)
+            n_rows += 1
+        for seq, entries in self.samplers.items():
+            put_input(values, f"smpl{seq}_row", np.array([rows.get(seq, n_rows)]), _I32)
+            for spec, sampler in entries:
+                if isinstance(spec, SampleDist):
+                    put_input(values, f"smpl{seq}_u{spec.index}", np.array([[sampler.backend_uniform()]]), _F32)
+                elif isinstance(spec, SampleLogitBias):
+                    dense = np.zeros((1, self.n_vocab), dtype=np.float32)
+                    for token, bias in sampler.biases:   # set_rows: a repeated token's last bias stands
+                        dense[0, token] = bias
+                    put_input(values, f"smpl{seq}_bias{spec.index}", dense, _F32)
+
+    def can_reuse(self, params):
+        return True   # rows, draws and biases are inputs; which chains run is in the graph's config
+
+
+def _sampling(spec, env: InputEnv) -> GraphInput:
+    seqs = spec.param("seqs", ())
+    samplers = {seq: env.samplers[seq] for seq in seqs} if env.samplers else {}
+    if set(samplers) != set(seqs):
+        raise ValueError(f"the graph samples sequences {seqs} in the graph, but the context has backend samplers "
+                         f"for {tuple(sorted(env.samplers or {}))}")
+    return InputSampling(samplers, tuple(spec.leaves), env.hp.n_vocab)
+
+
 # llm_graph_input_* by the kind of the builder's InputSpec (llamir.frontend.built)
 INPUT_KINDS: dict[str, Callable[[InputSpec, InputEnv], GraphInput]] = {
     "embd": lambda spec, env: InputEmbd(bool(spec.param("has_tokens"))),
@@ -459,6 +505,7 @@ INPUT_KINDS: dict[str, Callable[[InputSpec, InputEnv], GraphInput]] = {
     "mean": lambda spec, env: InputMean(),
     "cls": _cls,
     "rs": _rs,
+    "sampling": _sampling,
     "pos_bucket": lambda spec, env: InputPosBucket(int(spec.param("n_buckets"))),
     "pos_bucket_kv": _pos_bucket_kv,
     "cross_embd": _cross(lambda cross, env: InputCrossEmbd(cross)),
@@ -469,7 +516,7 @@ INPUT_KINDS: dict[str, Callable[[InputSpec, InputEnv], GraphInput]] = {
 def build_inputs(ctx, specs, ubatch: UBatch, mctx, params: GraphParams, encoder: bool) -> list[GraphInput]:
     """The input objects of a built graph's input specs, each made by its kind (INPUT_KINDS)."""
     env = InputEnv(ctx.model.hparams, ctx.cparams, params, mctx, ctx.cparams.causal_attn and not encoder,
-                   ctx.cross)
+                   ctx.cross, getattr(ctx, "backend_samplers", None))
     inputs = []
     for spec in specs:
         make = INPUT_KINDS.get(spec.kind)

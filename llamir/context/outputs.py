@@ -13,6 +13,53 @@ class OutputError(LookupError):
     """An output that the last batch did not produce (llama.cpp logs it and returns NULL)."""
 
 
+LLAMA_TOKEN_NULL = -1
+
+
+class SampledRows:
+    """The backend samplers' section of the output buffer (llama_context's `sampling`): per output
+    row the sampled token (LLAMA_TOKEN_NULL when none), and the logits, probabilities and candidate
+    ids the in-graph prefix left, with their counts (0: none)."""
+
+    def __init__(self, n_rows: int, n_vocab: int):
+        self.token = np.full(n_rows, LLAMA_TOKEN_NULL, dtype=np.int32)
+        self.logits = np.zeros((n_rows, n_vocab), dtype=np.float32)
+        self.probs = np.zeros((n_rows, n_vocab), dtype=np.float32)
+        self.candidates = np.zeros((n_rows, n_vocab), dtype=np.int32)
+        self.logits_count = np.zeros(n_rows, dtype=np.int64)
+        self.probs_count = np.zeros(n_rows, dtype=np.int64)
+        self.candidates_count = np.zeros(n_rows, dtype=np.int64)
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.token, self.logits, self.probs, self.candidates, self.logits_count, self.probs_count,
+                self.candidates_count)
+
+    def copy(self) -> SampledRows:
+        out = SampledRows.__new__(SampledRows)
+        (out.token, out.logits, out.probs, out.candidates, out.logits_count, out.probs_count,
+         out.candidates_count) = (a.copy() for a in self.arrays)
+        return out
+
+    def write(self, row: int, token, logits, probs, candidates) -> None:
+        """One row from the graph's outputs (None: the prefix did not produce it)."""
+        if token is not None:
+            self.token[row] = int(np.asarray(token).reshape(-1)[0])
+        for values, buf, count in ((logits, self.logits, self.logits_count), (probs, self.probs, self.probs_count)):
+            if values is not None:
+                v = np.asarray(values, dtype=np.float32).reshape(-1)
+                buf[row, :len(v)] = v
+                count[row] = len(v)
+        if candidates is not None:
+            c = np.asarray(candidates, dtype=np.int32).reshape(-1)
+            self.candidates[row, :len(c)] = c
+            self.candidates_count[row] = len(c)
+
+    def swap(self, i: int, j: int) -> None:
+        for buf in self.arrays:
+            buf[[i, j]] = buf[[j, i]]
+
+
 @dataclass
 class _Previous:
     """The outputs of the last successful batch, while a new one is being written."""
@@ -25,6 +72,7 @@ class _Previous:
     n_outputs: int
     swaps: list[tuple[int, int]]
     embd_seq: dict[int, np.ndarray]
+    sampled: SampledRows | None
 
 
 class Outputs:
@@ -40,6 +88,7 @@ class Outputs:
         self.n_outputs = 0
         self.swaps: list[tuple[int, int]] = []
         self.embd_seq: dict[int, np.ndarray] = {}
+        self.sampled: SampledRows | None = None   # only for a batch a backend sampler saw
         self._previous: _Previous | None = None
 
     @property
@@ -57,14 +106,17 @@ class Outputs:
         self.n_outputs = 0
         return n_max
 
-    def begin(self, n_outputs: int) -> None:
+    def begin(self, n_outputs: int, sampling: bool = False) -> None:
         """Start a batch of n_outputs rows (output_reserve). What the batch overwrites is kept
-        (only the rows it writes over, not the whole buffer) until commit() or abandon()."""
+        (only the rows it writes over, not the whole buffer) until commit() or abandon(). With
+        `sampling` (a backend sampler has a sequence in the batch) the sampled section is made,
+        every token LLAMA_TOKEN_NULL and every count 0 until the graph writes them."""
         kept = min(self.n_outputs, n_outputs)
         self._previous = _Previous(self.logits, self.embd, self.logits[:kept].copy(), self.embd[:kept].copy(),
-                                   self.output_ids.copy(), self.n_outputs, self.swaps, self.embd_seq)
+                                   self.output_ids.copy(), self.n_outputs, self.swaps, self.embd_seq, self.sampled)
         self.swaps, self.embd_seq = [], {}
         self.reserve(n_outputs)
+        self.sampled = SampledRows(max(n_outputs, self.n_seq_max), self.n_vocab) if sampling else None
 
     def commit(self, out_ids: list[int], n_outputs: int) -> None:
         """The batch succeeded: its rows become the outputs (see finish)."""
@@ -80,13 +132,13 @@ class Outputs:
         self.logits[:len(prev.logits_rows)] = prev.logits_rows
         self.embd[:len(prev.embd_rows)] = prev.embd_rows
         self.output_ids, self.n_outputs = prev.output_ids, prev.n_outputs
-        self.swaps, self.embd_seq = prev.swaps, prev.embd_seq
+        self.swaps, self.embd_seq, self.sampled = prev.swaps, prev.embd_seq, prev.sampled
 
     def commit_one(self, logits: np.ndarray | None, embd: np.ndarray | None) -> None:
         """begin(1), write(0, logits, embd) and commit([0], 1) at once, for a batch whose one
         output is its token 0 (a generated token), once its compute has succeeded: there is
         nothing to put back, so nothing is kept."""
-        self.swaps, self.embd_seq = [], {}
+        self.swaps, self.embd_seq, self.sampled = [], {}, None
         n_max = max(1, self.n_seq_max)
         if (self.has_logits and self.logits.shape[0] < n_max) or (self.has_embd and self.embd.shape[0] < n_max):
             self.reserve(1)
@@ -129,6 +181,8 @@ class Outputs:
             for buf in (self.logits, self.embd):
                 if buf.shape[0] > max(i, j):
                     buf[[i, j]] = buf[[j, i]]
+            if self.sampled is not None:
+                self.sampled.swap(i, j)
         self.swaps.clear()
 
     def row(self, i: int) -> int:
@@ -153,3 +207,11 @@ class Outputs:
         if j >= self.n_outputs:
             raise OutputError(f"corrupt output buffer (j={j}, n_outputs={self.n_outputs})")
         return j
+
+    # -- the backend samplers' section --------------------------------------------------------------
+    def sampled_row(self, i: int) -> int | None:
+        """The row of batch token i in the sampled section, None when no backend sampler ran."""
+        if self.sampled is None:
+            return None
+        return self.row(i)
+

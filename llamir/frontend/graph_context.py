@@ -83,6 +83,8 @@ class GraphConfig:
     recurrent: RSLayout | None = None   # the recurrent state the graph reads and writes, if any
     gtype: str = "decoder"       # llm_graph_type: "encoder" for encode(), "decoder" otherwise; an
                                  # encoder-decoder (t5) builds a different graph for each
+    # backend samplers: per sequence, its chain's in-graph prefix (llamir.frontend.graph_sampling specs)
+    samplers: tuple[tuple[int, tuple], ...] = ()
 
     @property
     def n_stream(self) -> int:
@@ -454,6 +456,10 @@ class GraphContext:
         if logits is not None:
             self.b.name(logits, "result_output")
             self.b.output("logits", logits)
+            if self.config.samplers:
+                from llamir.frontend.graph_sampling import build_sampling
+
+                build_sampling(self, logits)
         return GraphOutputs(logits=logits, embd=hidden)
 
     def pool(self, embd: Node) -> Node | None:
