@@ -8,8 +8,10 @@
 
 from llamir.context import Batch, BatchError, Context, ContextParams, ContextParamsError, OutputError, SeqOpError
 from llamir.context.state_io import StateError
+from llamir.frontend.adapter import AdapterError, LoraAdapter, load_adapter_lora
 from llamir.frontend.model import Model, ModelError, load_model
 
 __version__ = "0.1.0"
-__all__ = ["Batch", "BatchError", "Context", "ContextParams", "ContextParamsError", "Model", "ModelError",
-           "OutputError", "SeqOpError", "StateError", "load_model", "__version__"]
+__all__ = ["AdapterError", "Batch", "BatchError", "Context", "ContextParams", "ContextParamsError", "LoraAdapter",
+           "Model", "ModelError", "OutputError", "SeqOpError", "StateError", "load_adapter_lora", "load_model",
+           "__version__"]

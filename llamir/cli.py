@@ -74,10 +74,14 @@ def _context(model, args, **overrides):
         raise CliError(f"--device {devices[-1].label}: the CPU runs --backend {args.backend}; give only devices")
     placement = placement_params(args) if devices else None
     try:
-        return Context(model, backend=args.backend, numerics=args.numerics, devices=devices, placement=placement,
-                       **params)
+        ctx = Context(model, backend=args.backend, numerics=args.numerics, devices=devices, placement=placement,
+                      **params)
     except (ContextParamsError, ValueError, BackendError, PlacementError, SchedError) as err:
         raise CliError(str(err)) from None
+    from llamir.cli_adapters import apply_adapters
+
+    apply_adapters(ctx, args)   # --lora, --control-vector
+    return ctx
 
 
 def _decode(ctx, batch) -> None:
@@ -390,9 +394,11 @@ def _add_runtime(p: argparse.ArgumentParser, n_ctx: int = 2048) -> None:
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="off", dest="flash_attn")
     p.add_argument("--threads", type=int, default=0, help="threads (default: all cores)")
     add_numerics_option(p)
+    from llamir.cli_adapters import add_adapter_args
     from llamir.cli_devices import add_device_args
 
     add_device_args(p)
+    add_adapter_args(p)
 
 
 def add_numerics_option(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 from llamir.backends import Backend, BackendError, DeviceType, get_backend
 from llamir.backends.registry import backend_from_spec, get_registry
 from llamir.context import state
+from llamir.context.adapters import ContextAdapters
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
 from llamir.context.graph_inputs import CrossState, GraphParams, GraphResult, build_inputs
 from llamir.context.kv_cache import MemoryStatus
@@ -103,6 +104,7 @@ class Context:
         device_backends = [backend_from_spec(d) if isinstance(d, str) else d for d in devices]
         self.runner = Runner(model, [*device_backends, self.backend], placement or PlacementParams(),
                              self.cparams.op_offload)
+        self.adapters = ContextAdapters(model)   # the LoRA adapters and control vector applied
         if self.cparams.auto_fa:
             self.cparams = self.cparams.with_flash_attn(self._flash_attn_works())
             if not self.cparams.flash_attn and self.cparams.type_v.is_quantized:
@@ -173,7 +175,8 @@ class Context:
         return GraphConfig(memory=memory, recurrent=recurrent, rope=cp.rope, flash_attn=cp.flash_attn,
                            causal_attn=cp.causal_attn and not encoder, input_kind="tokens" if has_tokens else "embd",
                            embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none",
-                           gtype="encoder" if encoder else "decoder", samplers=samplers)
+                           gtype="encoder" if encoder else "decoder", adapters=self.adapters.graph_set(),
+                           samplers=samplers)
 
     def compiled_graph(self, config: GraphConfig):
         """The symbolic graph for `config`, placed and (CPU only) compiled, built once and kept."""
@@ -532,6 +535,36 @@ class Context:
         self.outputs.commit(self.balloc.out_ids, ubatch.n_tokens)
         self.perf_counters.stop()
         return DECODE_OK
+
+    # -- adapters ---------------------------------------------------------------------------------
+    def set_adapters_lora(self, adapters: Sequence, scales: Sequence[float]) -> int:
+        """llama_set_adapters_lora: apply these LoRA adapters (llamir.load_adapter_lora) with these
+        scales from the next decode on, in place of the ones applied; [] and [] remove them all. The
+        same set again changes nothing (the graph is reused); another set builds another graph.
+        Returns 0, as llama.cpp does; AdapterError (nothing changed) for a bad list."""
+        if self.adapters.set_loras(adapters, scales):
+            self._adapters_changed()
+        return 0
+
+    def set_adapter_cvec(self, data, n_embd: int = 0, il_start: int = 0, il_end: int = 0) -> int:
+        """llama_set_adapter_cvec: add a control vector to the output of blocks il_start..il_end
+        (inclusive); data holds n_embd floats per layer starting at layer 1 (a layer the data does
+        not reach keeps its previous vector, zeros at first). None turns it off. Returns 0;
+        AdapterError (nothing changed) when n_embd is not the model's."""
+        self.adapters.set_cvec(data, n_embd, il_start, il_end)
+        self._adapters_changed()
+        return 0
+
+    apply_adapter_cvec = set_adapter_cvec   # llama.h's name for it before it was renamed
+
+    def _adapters_changed(self) -> None:
+        """llama.cpp's sched_need_reserve after an adapter change: the previous graph is not reused,
+        the graphs read the new adapters, and with devices the compute buffers are reserved again."""
+        self._prev = None
+        self._token_step = None
+        self.runner.use_adapters(self.adapters.graph_set(), self.adapters.tensors())
+        if not self.runner.single:
+            self.reserve()
 
     # -- memory -----------------------------------------------------------------------------------
     def memory_update(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from llamir.backends import Backend, BufferUsage, TensorData
 from llamir.backends.base import alloc_tensors
+from llamir.frontend.adapter import AdaptedModel, AdapterSet
 from llamir.frontend.built import BuiltGraph
 from llamir.frontend.graph_context import GraphConfig
 from llamir.frontend.placement import Placement, PlacementParams, place_model
@@ -48,6 +49,7 @@ class Runner:
         self.device_weights: dict[str, TensorData] = {}
         self._scheduled: tuple | None = None  # (bound graph, pins key, ScheduledGraph) of the last run
         self.n_sched_reused = 0
+        self.adapter_tensors: dict = {}   # graph leaf name -> the LoRA / control vector tensor it reads
 
     @property
     def cpu(self) -> Backend:
@@ -61,7 +63,7 @@ class Runner:
         if config not in self.graphs:
             built = self.model.build_graph(config)
             graph = built.graph
-            placement = place_model(self.model, built, self.backends, self.placement_params)
+            placement = place_model(self._weight_source(config), built, self.backends, self.placement_params)
             placement.apply(graph)
             if self.sched is None:
                 self.sched = Scheduler(placement.backends, placement.buffers(), op_offload=self.op_offload)
@@ -76,9 +78,30 @@ class Runner:
                     names = ", ".join(sorted({n.op.name for n in unsupported}))
                     raise BackendError(f"backend {self.cpu.name} cannot run: {names}")
                 executable = self.cpu.compile(graph)
-            weights = self._resident(placement, placement.weight_values(self.model, graph))
+            weights = self._resident(placement, placement.weight_values(self._weight_source(config), graph))
             self.graphs[config] = CompiledGraph(graph, placement, weights, executable, {}, built)
         return self.graphs[config]
+
+    def _weight_source(self, config: GraphConfig):
+        """Where a graph's weights come from: the model, and for a graph with adapters their tensors."""
+        return AdaptedModel(self.model, self.adapter_tensors) if config.adapters else self.model
+
+    def use_adapters(self, adapters: AdapterSet, tensors: dict) -> None:
+        """The adapter set graphs are built with from now on, and its leaves' tensors: compiled graphs
+        of other sets are dropped (the graphs without adapters stay), a graph of this set reads the
+        tensors as they are now (a control vector's new data), and device copies of adapter tensors
+        that changed are made again."""
+        old = self.adapter_tensors
+        self.adapter_tensors = dict(tensors)
+        for name in [n for n in self.device_weights if n in old and old[n] is not tensors.get(n)]:
+            del self.device_weights[name]
+        for config in [c for c in self.graphs if c.adapters and c.adapters != adapters]:
+            del self.graphs[config]
+        self._scheduled = None
+        for config, cg in self.graphs.items():
+            if config.adapters:
+                cg.weights = self._resident(cg.placement, cg.placement.weight_values(self._weight_source(config),
+                                                                                     cg.graph))
 
     def _resident(self, placement: Placement, weights: dict) -> dict:
         """Weights placed on a device are copied into its memory once (one WEIGHTS buffer per

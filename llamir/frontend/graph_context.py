@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llamir.frontend.adapter import AdapterSet, LoraAdapter, LoraWeight, cvec_leaf_name
 from llamir.frontend.arch.base import ArchError
 from llamir.frontend.built import INPUT_LAYER, BuiltGraph, InputSpec, LayerMap
 from llamir.frontend.graph_kv import CrossGraph, KVGraph, KVLayout, NoCacheGraph, TokenDims
@@ -83,6 +84,7 @@ class GraphConfig:
     recurrent: RSLayout | None = None   # the recurrent state the graph reads and writes, if any
     gtype: str = "decoder"       # llm_graph_type: "encoder" for encode(), "decoder" otherwise; an
                                  # encoder-decoder (t5) builds a different graph for each
+    adapters: AdapterSet = AdapterSet()   # the LoRA adapters (with scales) and control vector layers
     # backend samplers: per sequence, its chain's in-graph prefix (llamir.frontend.graph_sampling specs)
     samplers: tuple[tuple[int, tuple], ...] = ()
 
@@ -247,7 +249,15 @@ class GraphContext:
             return self.b.input("inp_embd", [self.T, self.hp.n_embd], F32)
         self._declare(InputSpec("embd", ("inp_tokens",), {"has_tokens": True}))
         tokens = self.b.input("inp_tokens", [self.T], I32)
-        return self.b.get_rows(self.weights.token_embd, tokens, name="inp_embd")
+        tok_embd = self.weights.token_embd
+        if not self.config.adapters.pairs_for(tok_embd.name):
+            return self.b.get_rows(tok_embd, tokens, name="inp_embd")
+        cur = self.b.get_rows(tok_embd, tokens)                                       # [T, n_embd]
+        for adapter, lw, scale in self.config.adapters.pairs_for(tok_embd.name):
+            rows = self.b.get_rows(self._lora_leaf(adapter, lw, "a"), tokens)          # [T, rank]
+            delta = self.b.mul_mat(self._lora_leaf(adapter, lw, "b"), rows)           # [T, n_embd]
+            cur = self.b.add(cur, self.b.scale(delta, scale))
+        return self.b.name(cur, "inp_embd")
 
     def inp_pos(self) -> Node:
         if self._pos is None:
@@ -308,10 +318,49 @@ class GraphContext:
         return self.b.name(cur, name) if name else cur
 
     def linear(self, weight: Node, x: Node, bias: Node | None = None, name: Name = None) -> Node:
-        """x @ weight.T (+ bias): build_lora_mm without adapters."""
-        cur = self.b.mul_mat(weight, x)
+        """build_lora_mm, then + bias: x @ weight.T, plus s * (x @ a.T) @ b.T for each active LoRA
+        adapter that pairs the weight (s its scale * alpha / rank), added in the adapters' order. A
+        1-D weight [n_in] is one row [1, n_in], as ggml reads it."""
+        b = self.b
+        w = weight if len(weight.shape) > 1 else b.reshape(weight, 1, weight.shape[0])
+        cur = b.mul_mat(w, x)                                                           # [..., n_out]
+        for adapter, lw, scale in self.config.adapters.pairs_for(weight.name):
+            if lw.base.endswith("token_embd.weight"):
+                raise ArchError(f"LoRA adapter {adapter.path}: its token_embd.weight pair is an embedding's "
+                                f"(a [n_vocab, rank]) and cannot adapt the tied output projection (llama.cpp "
+                                f"aborts on it)")
+            ax = b.mul_mat(self._lora_leaf(adapter, lw, "a"), x)                       # [..., rank]
+            bax = b.mul_mat(self._lora_leaf(adapter, lw, "b"), ax)                     # [..., n_out]
+            cur = b.add(cur, b.scale(bax, scale))
         if bias is not None:
-            cur = self.b.add(cur, bias)
+            cur = b.add(cur, bias)
+        return b.name(cur, name) if name else cur
+
+    def linear_id(self, weight: Node, x: Node, ids: Node, name: Name = None) -> Node:
+        """build_lora_mm_id: mul_mat_id(weight, x, ids) [T, k, n_out], plus s * mul_mat_id(b,
+        mul_mat_id(a, x, ids), ids) for each active adapter that pairs the expert weight."""
+        b = self.b
+        cur = b.mul_mat_id(weight, x, ids)                                            # [T, k, n_out]
+        for adapter, lw, scale in self.config.adapters.pairs_for(weight.name):
+            ax = b.mul_mat_id(self._lora_leaf(adapter, lw, "a"), x, ids)              # [T, k, rank]
+            bax = b.mul_mat_id(self._lora_leaf(adapter, lw, "b"), ax, ids)            # [T, k, n_out]
+            cur = b.add(cur, b.scale(bax, scale))
+        return b.name(cur, name) if name else cur
+
+    def _lora_leaf(self, adapter: LoraAdapter, lw: LoraWeight, part: str) -> Node:
+        """The weight leaf of an adapter's lora_a or lora_b (created on first use, in the layer that
+        uses it, so it is placed with its base weight's layer)."""
+        name = adapter.leaf_name(lw, part)
+        if name not in self._weights:
+            t = getattr(lw, part)
+            self._weights[name] = self.b.weight(name, t.shape, t.dtype)
+        return self._weights[name]
+
+    def cvec(self, cur: Node, il: int, name: Name = None) -> Node:
+        """build_cvec: cur + the control vector of layer il [n_embd] when the context applies one
+        there; `name` goes on the result (llama.cpp's l_out)."""
+        if il in self.config.adapters.cvec_layers:
+            cur = self.b.add(cur, self.b.weight(cvec_leaf_name(il), [self.hp.n_embd], F32))
         return self.b.name(cur, name) if name else cur
 
     def qkv(self, il: int, x: Node) -> tuple[Node, Node, Node]:
@@ -424,14 +473,14 @@ class GraphContext:
         if w_scale is not None:
             weights = b.scale(weights, w_scale, name=("ffn_moe_weights_scaled", il))
         cur = b.reshape(x, T, 1, n_embd)                                                     # [T, 1, n_embd]
-        up = b.mul_mat_id(up_exps, cur, selected, name=("ffn_moe_up", il))                   # [T, k, n_ff]
+        up = self.linear_id(up_exps, cur, selected, name=("ffn_moe_up", il))                # [T, k, n_ff]
         if gate_exps is not None:
-            gate = b.mul_mat_id(gate_exps, cur, selected, name=("ffn_moe_gate", il))
+            gate = self.linear_id(gate_exps, cur, selected, name=("ffn_moe_gate", il))
             glu = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}[act]
             cur = b.glu(glu, gate, up, name=("ffn_moe_" + glu, il))
         else:
             cur = b.unary(act, up, name=("ffn_moe_" + act, il))
-        experts = b.mul_mat_id(down_exps, cur, selected, name=("ffn_moe_down", il))          # [T, k, n_embd]
+        experts = self.linear_id(down_exps, cur, selected, name=("ffn_moe_down", il))       # [T, k, n_embd]
         experts = b.mul(experts, weights, name=("ffn_moe_weighted", il))
         row = 4 * n_embd                                                                      # f32 bytes
         out = b.view(experts, [T, n_embd], [k * row, 4], 0)
@@ -486,11 +535,16 @@ class GraphContext:
         return self.b.name(pooled, "result_embd_pooled")
 
     def _classifier(self, x: Node) -> Node:
-        """RANK pooling's head: tanh(cls x + b), then cls_out x + b, when the model has them."""
+        """RANK pooling's head: tanh(cls x + b), then cls_out x + b, when the model has them (plain
+        matmuls: llama.cpp applies no LoRA here)."""
+        def dense(w: Node, x: Node, bias: Node | None) -> Node:
+            cur = self.b.mul_mat(w, x)
+            return self.b.add(cur, bias) if bias is not None else cur
+
         if self.has("cls.weight"):
-            x = self.b.unary("tanh", self.linear(self.w("cls.weight"), x, self.w_opt("cls.bias")))
+            x = self.b.unary("tanh", dense(self.w("cls.weight"), x, self.w_opt("cls.bias")))
         if self.has("cls.output.weight"):
-            x = self.linear(self.w("cls.output.weight"), x, self.w_opt("cls.output.bias"))
+            x = dense(self.w("cls.output.weight"), x, self.w_opt("cls.output.bias"))
         return x
 
 

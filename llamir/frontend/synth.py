@@ -137,21 +137,31 @@ def write_model(path: str | Path, spec: SynthSpec) -> Path:
     """Write the model described by `spec` to `path` (atomically) and return the path."""
     spec = with_arch_defaults(spec)
     _check_spec(spec)
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        _add_hparams(writer, spec)
+        _add_tokenizer(writer, spec.n_vocab)
+        for name, array, raw_dtype in _tensors(spec):
+            writer.add_tensor(name, array, raw_dtype=raw_dtype)
+
+    return write_gguf(path, spec.arch, fill)
+
+
+def write_gguf(path: str | Path, arch: str, fill) -> Path:
+    """Write a GGUF file atomically: `fill(writer)` adds the keys and tensors to a GGUFWriter for
+    `arch` (which writes general.architecture)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp_name, spec.arch)
-        _add_hparams(writer, spec)
-        _add_tokenizer(writer, spec.n_vocab)
-        for name, array, raw_dtype in _tensors(spec):
-            writer.add_tensor(name, array, raw_dtype=raw_dtype)
+        writer = gguf.GGUFWriter(tmp_name, arch)
+        fill(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; the model is an ordinary file
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; the file is an ordinary one
         os.replace(tmp_name, path)
     finally:
         if os.path.exists(tmp_name):
@@ -379,10 +389,16 @@ def _tensors(spec: SynthSpec):
     synthetic model has (output.weight not when tied), in spec order."""
     rng = np.random.default_rng(spec.seed)
     storage = {"weight": spec.dtype, "embd": spec.embd_dtype or spec.dtype, "f32": "f32"}
+    for t in _synth_specs(spec):
+        yield _typed(t.name, _INIT[t.init_rule](rng, t.shape, t.gain), storage[t.storage_kind])
+
+
+def _synth_specs(spec: SynthSpec):
+    """The tensor specs of the tensors a synthetic model has, in spec order."""
     for t in ARCHS[spec.arch]().tensor_specs(synth_hparams(spec)):
         ungated = spec.gated_ffn is False and t.name.endswith(".ffn_gate.weight") and not t.required
         if t.in_synth and not (spec.tied and t.name == "output.weight") and not ungated:
-            yield _typed(t.name, _INIT[t.init_rule](rng, t.shape, t.gain), storage[t.storage_kind])
+            yield t
 
 
 def _typed(name: str, values: np.ndarray, dtype: str):
@@ -394,3 +410,107 @@ def _typed(name: str, values: np.ndarray, dtype: str):
     else:
         data = quants.quantize(values.astype(np.float32), dt)
     return name, data, dt.ggml_type if data.dtype == np.uint8 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Adapters: random LoRA and control vector files for a model
+
+# what write_lora adapts unless told: every projection of the blocks (PEFT's usual target_modules)
+LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def write_lora(path: str | Path, model, rank: int = 8, alpha: float | None = None,
+               targets: tuple[str, ...] | None = None, seed: int = 0, dtype: str = "f32",
+               gain: float = 0.25) -> Path:
+    """A random LoRA GGUF for `model` (a SynthSpec, a GGUF path or a loaded Model) that llama.cpp
+    loads: for each target weight W (a short name such as "attn_q" for every block's, "output",
+    "token_embd", or an fnmatch pattern of full names), a [rank, n_in] and b [n_out, rank] (per
+    expert for expert weights; a [n_vocab, rank], b [n_embd, rank] for token_embd), stored as
+    `dtype`. alpha (default: rank, so the product is scaled by 1) is written as adapter.lora.alpha;
+    alpha=0 writes no key. b is drawn so the product is about `gain` times W x."""
+    import fnmatch
+
+    arch, shapes = _base_shapes(model)
+    wanted = targets or LORA_TARGETS
+    chosen: list[str] = []
+    for target in wanted:
+        if "." in target:
+            hits = [n for n in shapes if fnmatch.fnmatchcase(n, target)]
+        else:
+            hits = [n for n in shapes if n.endswith(".weight") and n.split(".")[-2] == target]
+        if not hits and targets:
+            raise ValueError(f"LoRA target {target!r} matches no tensor of the {arch} model")
+        chosen += [n for n in hits if n not in chosen]
+    if not chosen:
+        raise ValueError(f"no LoRA target matches a tensor of the {arch} model")
+    rng = np.random.default_rng(seed)
+    pairs = [_lora_pair(rng, name, shapes[name], rank, gain) for name in chosen]
+    alpha = float(rank) if alpha is None else float(alpha)
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_name(f"synth-lora-r{rank}")
+        writer.add_type(gguf.GGUFType.ADAPTER)
+        writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        if alpha:
+            writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+        for name, a, b in pairs:
+            for part, values in (("lora_a", a), ("lora_b", b)):
+                block = dtype_named(dtype).block_size
+                if values.shape[-1] % block:
+                    raise ValueError(f"{name}.{part} {list(values.shape)}: {dtype} needs rows that are multiples "
+                                     f"of {block}")
+                _, data, raw = _typed(f"{name}.{part}", values, dtype)
+                writer.add_tensor(f"{name}.{part}", data, raw_dtype=raw)
+
+    return write_gguf(path, arch, fill)
+
+
+def _base_shapes(model) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(architecture, tensor name -> numpy shape) of a SynthSpec, a GGUF path or a Model."""
+    if isinstance(model, SynthSpec):
+        spec = with_arch_defaults(model)
+        return spec.arch, {t.name: tuple(t.shape) for t in _synth_specs(spec)}
+    if isinstance(model, (str, Path)):
+        from llamir.frontend.gguf_file import GGUFFile
+
+        f = GGUFFile(model)
+        return f.metadata.get_str("general.architecture", required=True), {n: t.shape for n, t in f.tensors.items()}
+    return model.hparams.arch, {n: t.shape for n, t in model.tensors.items()}
+
+
+def _lora_pair(rng: np.random.Generator, name: str, shape: tuple[int, ...], rank: int, gain: float):
+    """(name, a, b) for base weight `name` of numpy shape `shape` (2-D, expert 3-D, or a 1-D row)."""
+    if name.endswith("token_embd.weight"):   # rows are looked up: a row of a ~ N(0, 1) like an embedding
+        n_vocab, n_embd = shape
+        return (name, rng.standard_normal((n_vocab, rank), dtype=np.float32),
+                _matrix(rng, (n_embd, rank), gain))
+    batch, n_out, n_in = shape[:-2], (shape[-2] if len(shape) > 1 else 1), shape[-1]
+    return (name, _matrix(rng, (*batch, rank, n_in), 1.0), _matrix(rng, (*batch, n_out, rank), gain))
+
+
+def write_control_vector(path: str | Path, model=None, *, n_embd: int | None = None, layers=None,
+                         directions=None, seed: int = 0, gain: float = 0.5, model_hint: str = "") -> Path:
+    """A control vector GGUF as llama.cpp's cvector-generator writes it (general.architecture
+    controlvector, controlvector.model_hint, controlvector.layer_count, direction.{il} f32
+    [n_embd]): `directions` {il: vector} as given, or random ones (std `gain`) for `layers`
+    (default 1..n_layer-1 of `model`, a SynthSpec, GGUF path or Model)."""
+    if directions is None:
+        if model is not None:
+            arch, shapes = _base_shapes(model)
+            n_embd = shapes["token_embd.weight"][-1] if n_embd is None else n_embd
+            blocks = [int(m[1]) for n in shapes if (m := regex.match(r"(?:\w+\.)?blk\.(\d+)\.", n))]
+            n_layer = 1 + max(blocks, default=0)
+            layers = range(1, n_layer) if layers is None else layers
+        if n_embd is None or layers is None:
+            raise ValueError("write_control_vector needs directions, or a model (or n_embd and layers)")
+        rng = np.random.default_rng(seed)
+        directions = {il: gain * rng.standard_normal(n_embd, dtype=np.float32) for il in layers}
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_string("controlvector.model_hint", model_hint)
+        writer.add_int32("controlvector.layer_count", len(directions))
+        for il, vector in directions.items():
+            writer.add_tensor(f"direction.{il}", np.asarray(vector, dtype=np.float32))
+
+    return write_gguf(path, "controlvector", fill)

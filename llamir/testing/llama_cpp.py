@@ -285,6 +285,44 @@ class LlamaCppOracle:
         if status != 0:
             raise RuntimeError(f"llama.cpp {what} returned {status}")
 
+    # -- adapters (llama.h's llama_adapter_lora_init, llama_set_adapters_lora, llama_set_adapter_cvec) --
+
+    def lora_init(self, path: str | Path):
+        """llama_adapter_lora_init: a handle of the adapter (freed with the model); RuntimeError when
+        llama.cpp refuses the file."""
+        handle = self._lib.llama_adapter_lora_init(self._model, str(path).encode())
+        if not handle:
+            raise RuntimeError(f"llama.cpp refused the LoRA adapter {path}")
+        return handle
+
+    def set_adapters_lora(self, adapters: Sequence[Any], scales: Sequence[float]) -> int:
+        """llama_set_adapters_lora: replace the context's adapters (an empty list clears them)."""
+        lib = self._lib
+        n = len(adapters)
+        handles = (lib.llama_adapter_lora_p_ctypes * max(1, n))(*adapters)
+        values = (ctypes.c_float * max(1, n))(*scales)
+        return int(lib.llama_set_adapters_lora(self._ctx, handles if n else None, n, values if n else None))
+
+    def set_adapter_cvec(self, data: np.ndarray | None, n_embd: int = 0, il_start: int = 0, il_end: int = 0) -> int:
+        """llama_set_adapter_cvec: data [n_embd * n] floats from layer 1 on, applied to il_start..il_end
+        (inclusive); None turns the vector off. 0 ok, -1 refused."""
+        if data is None:
+            return int(self._lib.llama_set_adapter_cvec(self._ctx, None, 0, n_embd, il_start, il_end))
+        buf = np.ascontiguousarray(data, dtype=np.float32)
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        return int(self._lib.llama_set_adapter_cvec(self._ctx, ptr, buf.size, n_embd, il_start, il_end))
+
+    def adapter_meta_val_str(self, adapter, key: str) -> str | None:
+        """llama_adapter_meta_val_str: a scalar metadata value of the adapter as text (None: absent)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_adapter_meta_val_str(adapter, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode()
+
+    def alora_invocation_tokens(self, adapter) -> list[int]:
+        lib = self._lib
+        n = int(lib.llama_adapter_get_alora_n_invocation_tokens(adapter))
+        return list(lib.llama_adapter_get_alora_invocation_tokens(adapter)[:n]) if n else []
+
     # -- tokenizer -----------------------------------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:

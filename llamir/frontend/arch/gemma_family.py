@@ -53,9 +53,10 @@ class GemmaFamily(Architecture):
             sa_out = b.add(g.norm(cur, L.post_attention_norm, name=("attn_post_norm", il)), x, name=("sa_out", il))
             cur = g.ffn(g.norm(sa_out, L.ffn_norm, name=("ffn_norm", il)), L.ffn_up, L.ffn_gate, L.ffn_down,
                         act="gelu", il=il)
-            x = b.add(g.norm(cur, L.post_ffw_norm, name=("ffn_post_norm", il)), sa_out, name=("l_out", il))
+            x = g.cvec(b.add(g.norm(cur, L.post_ffw_norm, name=("ffn_post_norm", il)), sa_out), il,
+                       name=("l_out", il))
         hidden = g.norm(x, g.weights.output_norm)
-        logits = b.mul_mat(self.output_weight(g), hidden)                             # [n_out, V]
+        logits = g.linear(self.output_weight(g), hidden)                              # [n_out, V]
         if cap := extra.final_logit_softcapping:
             logits = g.softcap(logits, cap)
         g.finish(hidden, logits)

@@ -96,7 +96,7 @@ class Jamba(Architecture):
                                 hp.n_expert_used, il=il)
             else:
                 cur = g.ffn(cur, L.ffn_up, L.ffn_gate, L.ffn_down, il=il)
-            inp = b.add(ffn_inp, cur, name=("l_out", il))
+            inp = g.cvec(b.add(ffn_inp, cur), il, name=("l_out", il))
         cur = g.norm(inp, g.weights.output_norm)
         g.finish(cur, g.linear(g.output_weight(), cur))
 

@@ -46,9 +46,9 @@ class LayerNormFamily(Architecture):
             cur = g.norm(x, L.ffn_norm, L.ffn_norm_bias, kind="layer", name=("ffn_norm", il))
             cur = g.ffn(cur, L.ffn_up, None, L.ffn_down, act="gelu", il=il, up_b=L.ffn_up_bias,
                         down_b=L.ffn_down_bias)
-            x = b.add(cur, x, name=("l_out", il))
+            x = g.cvec(b.add(cur, x), il, name=("l_out", il))
         hidden = g.norm(x, W.output_norm, W.output_norm_bias, kind="layer")           # [n_out, E]
-        g.finish(hidden, b.mul_mat(g.output_weight(), hidden))                        # [n_out, V]
+        g.finish(hidden, g.linear(g.output_weight(), hidden))                         # [n_out, V]
 
     def synth_metadata(self, w, spec) -> None:
         w.add_layer_norm_eps(DEFAULT_NORM_EPS if spec.norm_eps is None else spec.norm_eps)

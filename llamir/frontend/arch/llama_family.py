@@ -50,9 +50,9 @@ class LlamaFamily(Architecture):
             x = b.add(cur, residual, name=("ffn_inp", il))
             cur = g.norm(x, L.ffn_norm, name=("ffn_norm", il))
             cur = self.ffn_block(g, L, il, cur)
-            x = b.add(cur, x, name=("l_out", il))
+            x = g.cvec(b.add(cur, x), il, name=("l_out", il))
         hidden = g.norm(x, W.output_norm)                                             # [n_out, E]
-        g.finish(hidden, b.mul_mat(g.output_weight(), hidden))                        # [n_out, V]
+        g.finish(hidden, g.linear(g.output_weight(), hidden))                         # [n_out, V]
 
 
 __all__ = ["LlamaFamily"]

@@ -66,7 +66,7 @@ class Mamba(Architecture):
             cur = build_mamba_layer(g, L, il, cur)                                    # [T, E]
             if il == g.hp.n_layer - 1:
                 cur, inp = g.b.get_rows(cur, out_ids), g.b.get_rows(inp, out_ids)     # [n_out, E]
-            inp = g.b.add(cur, inp, name=("l_out", il))
+            inp = g.cvec(g.b.add(cur, inp), il, name=("l_out", il))
         cur = g.norm(inp, g.weights.output_norm)
         g.finish(cur, g.linear(g.output_weight(), cur))
 

@@ -59,9 +59,9 @@ class Phi3(Architecture):
             cur = g.norm(x, L.ffn_norm, name=("ffn_norm", il))
             up = g.linear(L.ffn_up, cur, name=("ffn_up", il))                         # [T, 2 n_ff]: gate | up
             cur = g.linear(L.ffn_down, b.glu("swiglu", up, name=("ffn_swiglu", il)), name=("ffn_out", il))
-            x = b.add(x, cur, name=("l_out", il))
+            x = g.cvec(b.add(x, cur), il, name=("l_out", il))
         hidden = g.norm(x, g.weights.output_norm)                                     # [n_out, E]
-        g.finish(hidden, b.mul_mat(g.output_weight(), hidden))                        # [n_out, V]
+        g.finish(hidden, g.linear(g.output_weight(), hidden))                         # [n_out, V]
 
     def synth_check(self, spec) -> None:
         if spec.n_embd_head * spec.n_head != spec.n_embd:   # the loader shapes attn_output {n_embd, n_embd}

@@ -32,8 +32,7 @@ class Qwen2Moe(LlamaFamily):
     def ffn_block(self, g, L, il: int, cur):
         b = g.b
         moe_out = super().ffn_block(g, L, il, cur)                                           # [T, E]
-        gate_inp = b.reshape(L.ffn_gate_inp_shexp, 1, g.hp.n_embd)
-        gate_logit = g.linear(gate_inp, cur, name=("ffn_shexp_gate_inp", il))              # [T, 1]
+        gate_logit = g.linear(L.ffn_gate_inp_shexp, cur, name=("ffn_shexp_gate_inp", il))  # [T, 1]
         # sigmoid as llama.cpp writes it: silu(x) / x
         gate = b.div(b.unary("silu", gate_logit), gate_logit, name=("ffn_shexp_gate", il))
         shared = g.ffn(cur, L.ffn_up_shexp, L.ffn_gate_shexp, L.ffn_down_shexp, act="silu", il=il)

@@ -67,9 +67,9 @@ class StableLM(Architecture):
             else:   # parallel residual: the ffn reads the attention's input
                 cur = normed
             cur = g.ffn(cur, L.ffn_up, L.ffn_gate, L.ffn_down, act="silu", il=il)
-            x = b.add(cur, ffn_inp, name=("l_out", il))
+            x = g.cvec(b.add(cur, ffn_inp), il, name=("l_out", il))
         hidden = g.norm(x, g.weights.output_norm, g.weights.output_norm_bias, kind="layer")   # [n_out, E]
-        g.finish(hidden, b.mul_mat(g.weights.output, hidden))                          # [n_out, V]
+        g.finish(hidden, g.linear(g.weights.output, hidden))                           # [n_out, V]
 
     def synth_check(self, spec) -> None:
         if spec.n_embd_head * spec.n_head != spec.n_embd:   # the loader shapes attn_q {n_embd, n_embd}

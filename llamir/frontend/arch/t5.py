@@ -136,7 +136,7 @@ class T5(Architecture):
             if il == hp.n_layer - 1:  # only the rows that produce outputs go on
                 cur, x = b.get_rows(cur, out_ids), b.get_rows(x, out_ids)             # [n_out, E]
             x = b.add(cur, x, name=("ffn_inp", il))
-            x = b.add(self.ffn(g, il, L, x), x, name=("l_out", il))
+            x = g.cvec(b.add(self.ffn(g, il, L, x), x), il, name=("l_out", il))
         hidden = g.norm(x, g.weights["enc.output_norm.weight"])                       # [n_out, E]
         g.finish(hidden, None, embd=True)                                              # the decoder's input
 
@@ -161,9 +161,9 @@ class T5(Architecture):
             if il == t5.dec_n_layer - 1:  # only the rows that produce outputs go on
                 cur, x = b.get_rows(cur, out_ids), b.get_rows(x, out_ids)             # [n_out, E]
             x = b.add(cur, x, name=("ffn_inp", il))
-            x = b.add(self.ffn(g, il, L, x), x, name=("l_out", il))
+            x = g.cvec(b.add(self.ffn(g, il, L, x), x), il, name=("l_out", il))
         hidden = g.norm(x, g.weights["dec.output_norm.weight"])                       # [n_out, E]
-        g.finish(hidden, b.mul_mat(g.output_weight(), hidden))                        # [n_out, V]
+        g.finish(hidden, g.linear(g.output_weight(), hidden))                         # [n_out, V]
 
     # -- blocks -------------------------------------------------------------------------------------
     @staticmethod
