@@ -201,6 +201,14 @@ class GraphBuilder:
     def mean(self, x: Node, name: Name = None) -> Node:
         return self.op(ops.Mean(), x, name=name)
 
+    def argmax(self, x: Node, name: Name = None) -> Node:
+        """ggml_argmax: x f32 [rows, n] (or [n]) -> i32 [rows] (or [1]), the last of equal maxima."""
+        return self.op(ops.Argmax(), x, name=name)
+
+    def cumsum(self, x: Node, name: Name = None) -> Node:
+        """ggml_cumsum: running f32 sums of x's rows, same shape."""
+        return self.op(ops.Cumsum(), x, name=name)
+
     def argsort(self, x: Node, descending: bool = False, name: Name = None) -> Node:
         return self.op(ops.Argsort(descending=descending), x, name=name)
 

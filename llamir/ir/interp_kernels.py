@@ -291,6 +291,32 @@ def _sum(ctx, node, args, bindings):
     return from_f32(_row_sums(rows.reshape(1, -1)).reshape(1).astype(f32), node.dtype)
 
 
+@kernel(ops.Argmax)
+def _argmax(ctx, node, args, bindings):
+    rows = np.asarray(args[0], dtype=f32).reshape(-1, args[0].shape[-1])
+    return np.array([ggml_argmax_row(row) for row in rows], dtype=np.int32)
+
+
+def ggml_argmax_row(row: np.ndarray) -> int:
+    """ggml_vec_argmax_f32 on one row: the last maximum of the last NaN-free run (the running
+    maximum restarts after a NaN, since `m > x` and `m == x` are false for NaN); 0 when all NaN."""
+    ok = ~np.isnan(row)
+    if not ok.any():
+        return 0
+    end = len(row) - int(np.argmax(ok[::-1]))          # one past the last number
+    nan_before = np.flatnonzero(~ok[:end])
+    run = row[(nan_before[-1] + 1 if nan_before.size else 0):end]
+    return end - 1 - int(np.argmax(run[::-1]))         # np.argmax gives the first maximum
+
+
+@kernel(ops.Cumsum)
+def _cumsum(ctx, node, args, bindings):
+    # add.accumulate adds each value to the previous sum in order, in f32, as ggml_vec_cumsum_f32;
+    # overflow to inf and inf - inf are values here, not errors
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.cumsum(np.asarray(args[0], dtype=f32), axis=-1, dtype=f32)
+
+
 @kernel(ops.Argsort)
 def _argsort(ctx, node, args, bindings):
     x = args[0]

@@ -29,7 +29,8 @@ from llamir.testing.backend_ops_cases import UNCOVERED, Case
 OK, FAIL, NOT_SUPPORTED = "OK", "FAIL", "not supported"
 CASE_GROUPS: tuple[Callable[[], Iterator[Case]], ...] = (
     elementwise.unary_cases, elementwise.binary_cases, elementwise.glu_cases, elementwise.scalar_cases,
-    elementwise.norm_cases, elementwise.reduce_cases, nn.layout_cases, nn.cpy_cases, nn.rows_cases,
+    elementwise.norm_cases, elementwise.reduce_cases, elementwise.argmax_cases, elementwise.cumsum_cases,
+    nn.layout_cases, nn.cpy_cases, nn.rows_cases,
     nn.mul_mat_cases, nn.mul_mat_id_cases, nn.rope_cases, nn.soft_max_cases, nn.attention_cases,
     ssm.ssm_conv_cases, ssm.ssm_scan_cases,
 )

@@ -242,3 +242,44 @@ def reduce_cases() -> Iterator[Case]:
         yield build("top_k", params(type="f32", ne=(3, 45), k=k),
                     lambda g, k=k: g.output("out", g.top_k(g.input("x", (3, 45), F32), k)), max_nmse=0.0,
                     values={"x": ties})
+
+
+# -- argmax and cumsum (greedy and top-p sampling in the graph) -------------------------------------
+def _shuffled_ranks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """ggml's argmax inputs: each row a shuffle of 0..n-1 (no ties)."""
+    return rng.permuted(np.broadcast_to(np.arange(shape[-1], dtype=np.float32), shape), axis=-1)
+
+
+def _ties_and_infinities(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Few distinct values (ties everywhere), -inf as masked logits are, one all -inf row and
+    NaNs in the last rows (argmax takes the last maximum of the last NaN-free run)."""
+    x = np.round(rng.uniform(-2, 2, shape), 0).astype(np.float32)
+    x[rng.uniform(size=shape) < 0.3] = -np.inf
+    x[0] = -np.inf
+    x[-2:][rng.uniform(size=x[-2:].shape) < 0.2] = np.nan
+    return x
+
+
+def argmax_cases() -> Iterator[Case]:
+    for rows, n in ((1, 32), (513, 32), (10, 100), (10, 1024), (12, 1024), (10, 2000), (3, 5438)):
+        yield build("argmax", params(type="f32", ne=(rows, n)),
+                    lambda g, rows=rows, n=n: g.output("out", g.argmax(g.input("x", (rows, n), F32))),
+                    max_nmse=0.0, values={"x": _shuffled_ranks})
+    yield build("argmax", params(type="f32", ne=(7, 301), v="ties,-inf,nan"),
+                lambda g: g.output("out", g.argmax(g.input("x", ("T", 301), F32))), ("T",),
+                max_nmse=0.0, values={"x": _ties_and_infinities}, bindings={"T": 7})
+    yield build("argmax", params(type="f32", ne=(45,)), lambda g: g.output("out", g.argmax(g.input("x", (45,), F32))),
+                max_nmse=0.0, values={"x": _shuffled_ranks})
+    yield build("argmax", params(type="f32", ne=(9, 6), v="transposed"),
+                lambda g: g.output("out", g.argmax(g.transpose(g.input("x", (6, 9), F32)))),
+                max_nmse=0.0, values={"x": _ties_and_infinities})
+
+
+def cumsum_cases() -> Iterator[Case]:
+    for shape in ((3, 4, 5, 10), (3, 4, 5, 127), (3, 4, 5, 128), (3, 4, 5, 1023), (4, 20481), (201 * 1204,)):
+        yield build("cumsum", params(type="f32", ne=shape),
+                    lambda g, shape=shape: g.output("out", g.cumsum(g.input("x", shape, F32))))
+    yield build("cumsum", params(type="f32", ne=(6, 300)),
+                lambda g: g.output("out", g.cumsum(g.input("x", ("T", 300), F32))), ("T",), bindings={"T": 6})
+    yield build("cumsum", params(type="f32", ne=(2, 7, 5), v="transposed"),
+                lambda g: g.output("out", g.cumsum(g.transpose(g.input("x", (2, 5, 7), F32)))))

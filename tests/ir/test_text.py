@@ -89,6 +89,8 @@ def every_op_graph() -> GraphBuilder:
     b.output("sum", b.op(ops.Sum(), q8_out))
     b.output("order", b.argsort(b.cont(b.reshape(moe, T, 8)), descending=True))
     b.output("top", b.top_k(b.cont(b.reshape(moe, T, 8)), 3))
+    b.output("greedy", b.argmax(b.cont(b.reshape(moe, T, 8))))                      # [T] i32
+    b.output("cdf", b.cumsum(b.soft_max_ext(b.cont(b.reshape(moe, T, 8)), None, 1.0)))  # [T, 8]
     # the fused ops passes/fusion.py forms
     fw = b.weight("fw", [16], F32)
     b.output("rms_mul", b.op(ops.OPS["rms_norm_mul"](eps=1e-5), h, fw))
@@ -189,7 +191,7 @@ def _grow(draw, b: GraphBuilder, x, pool):
     """One random node on top of x (may raise IRError for ill-typed picks)."""
     kind = draw(st.sampled_from(["unary", "binary", "scale", "clamp", "norm", "permute", "transpose",
                                  "cont", "flat", "view", "cast", "glu", "softmax", "reduce", "sort",
-                                 "concat", "repeat", "fill", "top_k"]))
+                                 "concat", "repeat", "fill", "top_k", "argmax", "cumsum"]))
     if kind == "unary":
         return b.unary(draw(st.sampled_from(UNARY)), x)
     if kind == "binary":
@@ -230,6 +232,10 @@ def _grow(draw, b: GraphBuilder, x, pool):
         return b.repeat(x, 2, *x.shape)
     if kind == "fill":
         return b.op(ops.Fill(c=draw(floats)), x)
+    if kind == "argmax":
+        return b.argmax(x)
+    if kind == "cumsum":
+        return b.cumsum(x)
     return b.top_k(x, draw(st.integers(1, 3)))
 
 

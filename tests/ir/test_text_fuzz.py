@@ -61,7 +61,7 @@ def _grow(draw, b: GraphBuilder, x, pool, T):
     kind = draw(st.sampled_from([
         "unary", "binary", "scale", "clamp", "norm", "group_norm", "rope", "mul_mat", "get_rows",
         "set_rows", "view", "reshape", "permute", "transpose", "cont", "cast", "concat", "repeat",
-        "glu", "softmax", "flash", "reduce", "sort", "top_k", "fill", "fused"]))
+        "glu", "softmax", "flash", "reduce", "sort", "top_k", "argmax", "cumsum", "fill", "fused"]))
     if kind == "unary":
         return b.unary(draw(st.sampled_from(UNARY)), x)
     if kind == "binary":
@@ -124,6 +124,10 @@ def _grow(draw, b: GraphBuilder, x, pool, T):
         return b.argsort(x, descending=draw(st.booleans()))
     if kind == "top_k":
         return b.top_k(x, draw(st.integers(1, 3)))
+    if kind == "argmax":
+        return b.argmax(x)
+    if kind == "cumsum":
+        return b.cumsum(x)
     if kind == "fill":
         return b.op(ops.Fill(c=draw(floats)), x)
     return b.op(ops.OPS["rms_norm_mul"](eps=draw(eps)), x, draw(st.sampled_from(pool)))

@@ -46,7 +46,7 @@ from llamir.ir.ops.layout import Concat, Cont, Cpy, Permute, Repeat, Reshape, Tr
 from llamir.ir.ops.leaf import Leaf
 from llamir.ir.ops.matmul import GetRows, MulMat, MulMatId, SetRows
 from llamir.ir.ops.norm import GroupNorm, L2Norm, Norm, RmsNorm
-from llamir.ir.ops.reduce import Argsort, Mean, Sum, SumRows, TopK
+from llamir.ir.ops.reduce import Argmax, Argsort, Cumsum, Mean, Sum, SumRows, TopK
 from llamir.ir.ops.ssm import SsmConv, SsmScan
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,4 +1,4 @@
-"""Row kernels: norms (with the fused weight/bias), softmax, row sums, sorting.
+"""Row kernels: norms (with the fused weight/bias), softmax, row sums, argmax, cumsum, sorting.
 
 Each thread takes whole rows. Sums follow ggml's CPU code: norms add the row in order into a
 double (ggml_float), softmax sums each vector of exps (16 or 8 lanes, per profile) in float and
@@ -310,6 +310,61 @@ class TotalSum(Kernel):
                 s = _sum_f64(em, shape[3], lambda c: load_row_value(em, xrow, c, self.dtypes[1], xstr[3]))
                 em.set(acc, b.fadd(em.get(acc), s))
             em.store(em.from_f32(b.fptrunc(em.get(acc), F32), self.dtypes[0]), a.ptrs[0])
+
+
+class RowArgmax(Kernel):
+    """y[r] = ggml_vec_argmax_f32 of f32 row r: m = m > x ? m : x from m = -inf, idx = i whenever
+    m == x (the last of equal maxima; NaN restarts the maximum). One i32 per row."""
+
+    # the shape is only loop bounds: every argmax shares one function, and LLVM 22 never sees a
+    # constant trip count (vectorizing and unrolling this loop at 31..33 columns does not terminate)
+    runtime_ints = (0, 1, 2, 3)
+
+    def __init__(self, out: Ref, x: Ref):
+        x, out = x.padded(), out.padded()
+        self.n_ptrs = 2
+        super().__init__(list(x.shape) + list(x.strides) + [out.strides[3]])
+
+    def emit(self, em: Emitter, a) -> None:
+        b = em.b
+        shape, xstr, ostep = a.ints[0:4], a.ints[4:8], a.ints[8]
+        rows = em.n_rows(shape)
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        with em.loop(r0, r1, name="row") as r:
+            xrow = row_pointer(em, a.ptrs[1], r, shape[:3], xstr[:3])
+            running = em.var(F32, em.f32(float("-inf")))
+            idx = em.var(I64, ir.Constant(I64, 0))
+            with em.loop(0, shape[3], name="col") as c:
+                x = load_row_value(em, xrow, c, "f32", xstr[3])
+                m = em.fmax(em.get(running), x)
+                em.set(running, m)
+                em.set(idx, b.select(b.fcmp_ordered("==", m, x), c, em.get(idx)))
+            em.store(b.trunc(em.get(idx), I32), a.ptrs[0], em.mul(r, ostep))
+
+
+class RowCumsum(Kernel):
+    """y[..., i] = y[..., i - 1] + x[..., i] along each f32 row, in order in f32 (ggml_vec_cumsum_f32)."""
+
+    runtime_ints = (0, 1, 2, 3)     # the shape is only loop bounds: every cumsum shares one function
+
+    def __init__(self, out: Ref, x: Ref):
+        out, x = out.padded(), x.padded()
+        self.n_ptrs = 2
+        super().__init__(list(x.shape) + list(out.strides) + list(x.strides))
+
+    def emit(self, em: Emitter, a) -> None:
+        b = em.b
+        shape, ostr, xstr = a.ints[0:4], a.ints[4:8], a.ints[8:12]
+        rows = em.n_rows(shape)
+        r0, r1 = em.split(rows, a.ith, a.nth)
+        with em.loop(r0, r1, name="row") as r:
+            xrow = row_pointer(em, a.ptrs[1], r, shape[:3], xstr[:3])
+            yrow = row_pointer(em, a.ptrs[0], r, shape[:3], ostr[:3])
+            # -0.0 + x is x for every x (a -0.0 stays -0.0), so y[0] = x[0] exactly as ggml stores it
+            acc = em.var(F32, em.f32(-0.0))
+            with em.loop(0, shape[3], name="col") as c:
+                em.set(acc, b.fadd(em.get(acc), load_row_value(em, xrow, c, "f32", xstr[3])))
+                em.store(em.get(acc), yrow, em.mul(c, ostr[3]))
 
 
 class Sort(Kernel):

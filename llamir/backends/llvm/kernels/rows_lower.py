@@ -1,10 +1,19 @@
-"""Lowerings of norms, softmax, reductions and sorts onto the row kernels."""
+"""Lowerings of norms, softmax, reductions, scans and sorts onto the row kernels."""
 
 from __future__ import annotations
 
 from llamir.backends.llvm import expr as E
 from llamir.backends.llvm.kernels.elementwise import row_part
-from llamir.backends.llvm.kernels.rows import GroupNorm, RowNorm, RowSum, SoftMax, Sort, TotalSum
+from llamir.backends.llvm.kernels.rows import (
+    GroupNorm,
+    RowArgmax,
+    RowCumsum,
+    RowNorm,
+    RowSum,
+    SoftMax,
+    Sort,
+    TotalSum,
+)
 from llamir.backends.llvm.lowering import Lowerer, lowering
 from llamir.backends.llvm.plan import Part, Ref
 from llamir.ir import Node, ops
@@ -72,6 +81,24 @@ def lower_sum(L: Lowerer, node: Node) -> None:
     x = L.ref(node.inputs[0])
     out = L.out(node)
     L.step(TotalSum(out, x), [out, x], [x], [out])
+
+
+@lowering(ops.Argmax)
+def lower_argmax(L: Lowerer, node: Node) -> None:
+    """Each thread takes whole rows, as for the other row ops (ggml runs argmax on one thread;
+    every row's index is the same either way)."""
+    x = L.ref(node.inputs[0])
+    out = L.out(node)
+    n_rows = E.prod(x.shape[:-1]) if x.rank > 1 else 1
+    part = Part(out.buf, out.offset, node.dtype.type_size, n_rows)
+    L.step(RowArgmax(out, x), [out, x], [x], [out], part, [_rows_part(x, n_rows)])
+
+
+@lowering(ops.Cumsum)
+def lower_cumsum(L: Lowerer, node: Node) -> None:
+    x = L.ref(node.inputs[0])
+    out = L.out(node)
+    _row_step(L, RowCumsum(out, x), out, [x])
 
 
 @lowering(ops.Argsort, ops.TopK)
