@@ -55,6 +55,10 @@ def _check_runtime(args) -> None:
     seed = getattr(args, "seed", None)
     if seed is not None and not -1 <= seed < 2**32:
         raise CliError(f"--seed must be in [0, 2^32) or -1 (random), got {seed}")
+    if hasattr(args, "penalty_last_n"):
+        from llamir.cli_sampling import check_sampling_args
+
+        check_sampling_args(args, CliError)
 
 
 def _context(model, args, **overrides):
@@ -106,10 +110,13 @@ def _generate(ctx, model, prompt_tokens: list[int], n_predict: int, sampler, out
     for start in range(0, len(prompt_tokens), ctx.n_batch):
         chunk = prompt_tokens[start:start + ctx.n_batch]
         _decode(ctx, Batch.from_tokens(chunk, pos0=None, logits="last"))
+    for token in prompt_tokens:
+        sampler.accept(token, is_generated=False)   # the penalties see the prompt, as llama-completion's
     generated: list[int] = []
     pending = b""
     for _ in range(n_predict):
-        token = sampler.sample(ctx.get_logits_ith(-1))
+        token = sampler.sample(ctx, -1)
+        sampler.accept(token)
         if vocab.is_eog(token):
             break
         generated.append(token)
@@ -135,14 +142,14 @@ def _generate_parallel(ctx, model, prompt_tokens: list[int], n_predict: int, n_p
     """llama.cpp's `parallel` example in small: the prompt is decoded once, shared with every
     sequence by seq_cp, then each step decodes one token per live sequence in a single batch."""
     from llamir.context import Batch
-    from llamir.context.sampling import Sampler, SamplerParams
 
     _decode(ctx, Batch.from_tokens(prompt_tokens, pos0=0, logits="last"))
     for s in range(1, n_parallel):
         ctx.memory.seq_cp(0, s, -1, -1)
-    seed = args.seed
-    samplers = [Sampler(SamplerParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p,
-                                      seed=None if seed is None else seed + s)) for s in range(n_parallel)]
+    samplers = [_sampler(model, args, seq=s) for s in range(n_parallel)]
+    for sampler in samplers:
+        for token in prompt_tokens:
+            sampler.accept(token, is_generated=False)
     outputs: list[list[int]] = [[] for _ in range(n_parallel)]
     rows = {s: -1 for s in range(n_parallel)}  # batch index of each sequence's last token
     live = list(range(n_parallel))
@@ -150,7 +157,8 @@ def _generate_parallel(ctx, model, prompt_tokens: list[int], n_predict: int, n_p
     for _ in range(n_predict):
         batch_tokens = []
         for s in list(live):
-            token = samplers[s].sample(ctx.get_logits_ith(rows[s]))
+            token = samplers[s].sample(ctx, rows[s])
+            samplers[s].accept(token)
             if model.vocab.is_eog(token):
                 live.remove(s)
                 continue
@@ -175,11 +183,25 @@ def _complete_utf8(data: bytes) -> tuple[str, bytes]:
     return data.decode("utf-8", errors="replace"), b""
 
 
-def _sampler(args):
-    from llamir.context.sampling import Sampler, SamplerParams
+def _sampler(model, args, seq: int = 0):
+    """common_sampler_init from the sampler flags (sequence `seq` of --n-parallel draws with seed + seq)."""
+    from llamir.cli_sampling import sampling_params, suppress_tokens
+    from llamir.sampling.common import CommonSampler
 
-    seed = None if args.seed == -1 else args.seed          # -1: a random seed, as llama.cpp's default
-    return Sampler(SamplerParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=seed))
+    try:
+        params = sampling_params(args, model)
+        if seq and params.seed != 0xFFFFFFFF:
+            params = params.with_changes(seed=(params.seed + seq) % 0xFFFFFFFF)
+        return CommonSampler.from_params(model.vocab, params, _grammar(model.vocab, args),
+                                         suppress_tokens(model))
+    except ValueError as err:
+        raise CliError(str(err)) from None
+
+
+def _grammar(vocab, args):
+    from llamir.cli_sampling import grammar_sampler
+
+    return grammar_sampler(vocab, args, CliError)
 
 
 def cmd_run(args) -> int:
@@ -188,15 +210,18 @@ def cmd_run(args) -> int:
     n_parallel = args.n_parallel
     ctx = _context(model, args, n_seq_max=n_parallel, kv_unified=n_parallel > 1, no_perf=not args.perf)
     tokens = model.vocab.tokenize(args.prompt, add_special=True, parse_special=True)
+    sampler = _sampler(model, args)          # its errors come before any output
     if n_parallel == 1:
         sys.stdout.write(args.prompt)
-        _generate(ctx, model, tokens, args.n_predict, _sampler(args), sys.stdout, ctx_shift=args.ctx_shift)
+        _generate(ctx, model, tokens, args.n_predict, sampler, sys.stdout, ctx_shift=args.ctx_shift)
         sys.stdout.write("\n")
     else:
         for s, out in enumerate(_generate_parallel(ctx, model, tokens, args.n_predict, n_parallel, args)):
             print(f"[sequence {s}] {args.prompt}{model.vocab.detokenize(out)}")
     if args.perf:
         ctx.perf_print()
+        if n_parallel == 1:
+            sampler.chain.perf_print()
     return 0
 
 
@@ -253,7 +278,7 @@ def cmd_chat(args) -> int:
     _check_runtime(args)
     model = _load(args.model)
     ctx = _context(model, args)
-    sampler = _sampler(args)
+    sampler = _sampler(model, args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -287,6 +312,8 @@ def cmd_chat(args) -> int:
             from llamir.context import Batch
 
             _decode(ctx, Batch.from_tokens(closing, pos0=None, logits="last"))
+            for token in closing:
+                sampler.accept(token, is_generated=False)
     return 0
 
 
@@ -416,10 +443,9 @@ def _add_generation(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy")
-    p.add_argument("--top-k", type=int, default=40, dest="top_k")
-    p.add_argument("--top-p", type=float, default=0.95, dest="top_p")
-    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    from llamir.cli_sampling import add_sampling_args
+
+    add_sampling_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=64, dest="n_predict", help="tokens to generate")
 
 
