@@ -15,14 +15,23 @@ from llamir.frontend.graph_sampling import (
     SampleTopP,
 )
 
+NO_OP = object()   # a sampler that runs in the graph as nothing (its parameters switch it off)
+GRAPH_SAMPLERS = ("Greedy", "Dist", "TopK", "TopP", "MinP", "Temp", "LogitBias")
+
 
 def _spec(sampler, n_vocab: int, counts: dict[str, int]):
-    """The graph spec of one sampler, or None when it has none (llama.cpp: no backend_init)."""
+    """The graph spec of one sampler, NO_OP when it changes nothing (the CPU sampler's `empty`:
+    top_k with k <= 0, top_p with p >= 1, min_p with p <= 0, temp 1, no biases), or None when it
+    has no graph form (llama.cpp: no backend_init)."""
     kind = type(sampler).__name__
+    if kind not in GRAPH_SAMPLERS:
+        return None
+    if getattr(sampler, "empty", False):
+        return NO_OP
     if kind == "Greedy":
         return SampleGreedy()
     if kind == "TopK":
-        return SampleTopK(int(sampler.k)) if sampler.k > 0 else None   # k <= 0: a no-op llama.cpp keeps on the CPU
+        return SampleTopK(int(sampler.k))
     if kind == "TopP":
         return SampleTopP(float(sampler.p))
     if kind == "MinP":
@@ -32,15 +41,14 @@ def _spec(sampler, n_vocab: int, counts: dict[str, int]):
     if kind == "Dist":
         counts["dist"] = counts.get("dist", 0) + 1
         return SampleDist(counts["dist"] - 1)
-    if kind == "LogitBias":
-        counts["bias"] = counts.get("bias", 0) + 1
-        return SampleLogitBias(counts["bias"] - 1, n_vocab)
-    return None
+    counts["bias"] = counts.get("bias", 0) + 1
+    return SampleLogitBias(counts["bias"] - 1, n_vocab)
 
 
 def backend_prefix(chain, n_vocab: int) -> list[tuple[object, object]]:
-    """[(spec, sampler)] for the chain's samplers up to the first that cannot run in a graph; the
-    prefix ends after the first sampler that picks a token (nothing after it sees candidates)."""
+    """[(spec, sampler)] for the chain's samplers up to the first that cannot run in a graph (a
+    NO_OP spec builds nothing but counts); the prefix ends after the first sampler that picks a
+    token."""
     out: list[tuple[object, object]] = []
     counts: dict[str, int] = {}
     for sampler in chain.samplers:
@@ -53,4 +61,9 @@ def backend_prefix(chain, n_vocab: int) -> list[tuple[object, object]]:
     return out
 
 
-__all__ = ["backend_prefix"]
+def graph_specs(prefix) -> tuple:
+    """The specs that build something, for GraphConfig.samplers."""
+    return tuple(spec for spec, _ in prefix if spec is not NO_OP)
+
+
+__all__ = ["GRAPH_SAMPLERS", "NO_OP", "backend_prefix", "graph_specs"]

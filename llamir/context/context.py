@@ -15,6 +15,7 @@ from llamir.backends import Backend, BackendError, DeviceType, get_backend
 from llamir.backends.registry import backend_from_spec, get_registry
 from llamir.context import state
 from llamir.context.adapters import ContextAdapters
+from llamir.context.backend_sampling import graph_specs
 from llamir.context.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, BatchError, UBatch
 from llamir.context.graph_inputs import CrossState, GraphParams, GraphResult, build_inputs
 from llamir.context.kv_cache import MemoryStatus
@@ -170,8 +171,9 @@ class Context:
         cp = self.cparams
         memory = () if encoder or self.memory is None else self.memory.layouts
         recurrent = None if encoder else getattr(self.memory, "rs_layout", None)
-        samplers = () if encoder else tuple((seq, tuple(spec for spec, _ in prefix))
-                                            for seq, prefix in sorted(getattr(self, "backend_samplers", {}).items()))
+        samplers = () if encoder else tuple((seq, graph_specs(prefix)) for seq, prefix
+                                            in sorted(getattr(self, "backend_samplers", {}).items())
+                                            if graph_specs(prefix))
         return GraphConfig(memory=memory, recurrent=recurrent, rope=cp.rope, flash_attn=cp.flash_attn,
                            causal_attn=cp.causal_attn and not encoder, input_kind="tokens" if has_tokens else "embd",
                            embeddings=cp.embeddings, pooling=cp.pooling_type if cp.embeddings else "none",

@@ -60,6 +60,11 @@ class Dist(Sampler):
         self.seed_cur = rng_seed(self.seed)
         self.rng.seed(self.seed_cur)
 
+    def backend_uniform(self) -> float:
+        """llama_sampler_dist's backend_set_input: the next canonical double of the same RNG, as
+        the f32 the graph compares the cumulative probabilities with (one per graph run)."""
+        return float(np.float32(canonical_double(self.rng)))
+
 
 class Temp(Sampler):
     """logit / t; t <= 0 keeps only the first highest logit (the rest become -inf); t == 1 is off."""

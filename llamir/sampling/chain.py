@@ -45,6 +45,7 @@ class Chain:
         self.samplers = [_check_sampler(s, f"Chain sampler {i}") for i, s in enumerate(samplers)]
         self.t_sample_us = 0
         self.n_sample = 0
+        self.n_backend = 0   # the leading samplers a context runs in its graph (Context.set_sampler)
 
     # -- the chain's own list (llama_sampler_chain_add / _get / _remove / _n) --------------------
     def add(self, smpl) -> None:
@@ -66,11 +67,17 @@ class Chain:
         return "Chain(" + " -> ".join(s.name for s in self.samplers) + ")"
 
     # -- the sampler interface -----------------------------------------------------------------------
-    def apply(self, cur: TokenDataArray) -> None:
+    def apply(self, cur: TokenDataArray, skip: int = 0) -> None:
+        """Each sampler in turn; `skip` leading ones already ran (in a graph)."""
         start = time.perf_counter_ns()
-        for smpl in self.samplers:
+        for smpl in self.samplers[skip:]:
             smpl.apply(cur)
         self._timed(start)
+
+    def backend_attach(self, n_backend: int) -> None:
+        """A context runs the first n_backend samplers in its decode graph from now on
+        (llama_sampler_chain_backend_init marks them is_backend)."""
+        self.n_backend = n_backend
 
     def accept(self, token: int) -> None:
         start = time.perf_counter_ns()
@@ -102,8 +109,31 @@ class Chain:
         return token
 
     def sample(self, ctx, idx: int = -1) -> int:
-        """The same from a context's output row `idx` (ctx.get_logits_ith(idx); -1 is the last)."""
-        return self.sample_logits(np.asarray(ctx.get_logits_ith(idx), dtype=np.float32))
+        """llama_sampler_sample from a context's output row `idx` (-1 is the last): a token a
+        backend sampler drew is accepted and returned; else the chain continues from what the
+        graph left (its probabilities, or its logits, over the candidates it kept), skipping the
+        samplers that ran there; else it runs on the row's logits."""
+        sampled = getattr(ctx, "get_sampled_token_ith", None)
+        if sampled is not None and self.n_backend:
+            token = sampled(idx)
+            if token != -1:
+                self.accept(token)
+                return token
+            probs, logits = ctx.get_sampled_probs_ith(idx), ctx.get_sampled_logits_ith(idx)
+            if probs is not None or logits is not None:
+                n = len(probs) if probs is not None else len(logits)
+                ids = ctx.get_sampled_candidates_ith(idx)[:n]
+                p = probs if probs is not None else np.zeros(n, dtype=np.float32)
+                if logits is None:
+                    logits = np.zeros(n, dtype=np.float32)
+                return self._pick(TokenDataArray(ids, logits[:n], p[:n]), self.n_backend)
+        return self._pick(TokenDataArray.from_logits(np.asarray(ctx.get_logits_ith(idx), dtype=np.float32)), 0)
+
+    def _pick(self, cur: TokenDataArray, skip: int) -> int:
+        self.apply(cur, skip)
+        token = cur.selected_token
+        self.accept(token)
+        return token
 
     # -- perf and seed -------------------------------------------------------------------------------
     def perf(self) -> PerfSamplerData:

@@ -51,7 +51,8 @@ def _generate(ctx, chains, n: int, backend: bool) -> list[list[int]]:
                 assert ctx.get_sampled_token_ith(rows[s]) in (picks[s], -1)
         for s in (0, 1):
             out[s].append(picks[s])
-        assert ctx.decode(llamir.Batch(tokens=picks, pos=next_pos, seq_ids=[(0,), (1,)])) == 0, ctx.last_error
+        assert ctx.decode(llamir.Batch(tokens=picks, pos=next_pos, seq_ids=[(0,), (1,)], logits=[True, True])) == 0, \
+            ctx.last_error
         next_pos = [p + 1 for p in next_pos]
         rows = [0, 1]
     return out
@@ -64,10 +65,10 @@ def test_backend_sampling_draws_the_cpus_tokens(model, backend, which):
     the CPU continues a partial one) or on the CPU, the same tokens for the same seeds."""
     cpu_chains, gpu_chains = CHAINS[which](), CHAINS[which]()
     cpu = llamir.Context(model, n_ctx=256, n_seq_max=2, kv_unified=True, backend=backend)
-    want = _generate(cpu, cpu_chains, 24, backend=False)
+    want = _generate(cpu, cpu_chains, 48, backend=False)
     ctx = llamir.Context(model, n_ctx=256, n_seq_max=2, kv_unified=True, backend=backend,
                          samplers={0: gpu_chains[0], 1: gpu_chains[1]})
-    got = _generate(ctx, gpu_chains, 24, backend=True)
+    got = _generate(ctx, gpu_chains, 48, backend=True)
     assert got == want
 
 
@@ -88,8 +89,7 @@ def test_the_sampled_section_and_its_getters(model):
 def test_two_outputs_of_one_sequence_are_refused(model):
     ctx = llamir.Context(model, n_ctx=64, samplers={0: Chain([Greedy()])}, backend="numpy")
     assert ctx.decode(llamir.Batch.from_tokens([5, 6, 7], logits="all")) == -1
-    assert ctx.last_error == "invalid batch: backend sampling requires at most one output token per sequence " \
-                             "(seq_id 0 had 2)" or "(seq_id 0 had 2)" in ctx.last_error
+    assert ctx.last_error == "backend sampling requires at most one output token per sequence (seq_id 0 had 2)"
     assert ctx.memory.seq_pos_max(0) == -1                             # nothing was taken
 
 
