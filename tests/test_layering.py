@@ -1,5 +1,5 @@
 """The package's layers import one way: ir <- passes <- backends <- sched <- frontend <- context
-<- cli (testing sits beside cli). Every import counts, also those inside functions and under
+<- sampling <- cli (testing sits beside cli). Every import counts, also those inside functions and under
 TYPE_CHECKING, so no layer names a type from above it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import llamir
 
-LAYERS = ["ir", "passes", "backends", "sched", "frontend", "context", "testing", "cli"]
+LAYERS = ["ir", "passes", "backends", "sched", "frontend", "context", "sampling", "testing", "cli"]
 ROOT = Path(llamir.__file__).parent
 
 
