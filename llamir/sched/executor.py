@@ -312,10 +312,17 @@ def execute(
             break
     outputs = {}
     for name, node in plan.graph.outputs.items():
-        # a backend that runs nothing (null), or a stopped compute, leaves what memory holds
-        if id(node) in memory.values or id(node) in memory.tensors or memory.slot_tensor(node) is not None:
+        # a backend that runs nothing (null), or a stopped compute, leaves what memory holds; an
+        # output may be a view of another value
+        if (id(node) in memory.values or id(node) in memory.tensors or memory.slot_tensor(node) is not None
+                or (is_view_like(node) and _has_memory(memory, view_root(node)))):
             outputs[name] = memory.read(plan.backend_of(node), node)
     return outputs
+
+
+def _has_memory(memory: SplitMemory, ref) -> bool:
+    return id(ref) in memory.values or id(ref) in memory.tensors or memory.slot_tensor(ref) is not None or (
+        isinstance(ref, Node) and ref.is_leaf)
 
 
 def _event(sched, backend_index: int, copy: int):

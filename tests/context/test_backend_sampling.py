@@ -112,3 +112,17 @@ def test_mixed_batch_and_set_sampler(model):
 def test_a_context_refuses_what_is_not_a_chain(model):
     with pytest.raises(ValueError, match="must be of type llamir.sampling.Chain"):
         llamir.Context(model, n_ctx=64, samplers={0: Greedy()}, backend="numpy")
+
+
+def test_backend_sampling_through_the_scheduler(model):
+    """The model on a simulated device (the scheduler's split path, whose outputs include views
+    such as the sampled token): the same tokens as CPU sampling."""
+    from llamir.frontend.placement import PlacementParams
+
+    cpu_chains, dev_chains = CHAINS["common"](), CHAINS["common"]()
+    want = _generate(llamir.Context(model, n_ctx=256, n_seq_max=2, kv_unified=True), cpu_chains, 12, backend=False)
+    ctx = llamir.Context(model, n_ctx=256, n_seq_max=2, kv_unified=True, devices=["sim:gpu0"],
+                         placement=PlacementParams(n_gpu_layers=99), samplers=dict(enumerate(dev_chains)))
+    assert _generate(ctx, dev_chains, 12, backend=True) == want
+    assert ctx.get_sampled_token_ith(0) != -1
+
