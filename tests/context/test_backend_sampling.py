@@ -126,3 +126,19 @@ def test_backend_sampling_through_the_scheduler(model):
     assert _generate(ctx, dev_chains, 12, backend=True) == want
     assert ctx.get_sampled_token_ith(0) != -1
 
+
+
+def test_sampled_rows_follow_the_batch_order(tmp_path):
+    """A recurrent model splits the batch by sequence, so its output rows come out of batch order
+    and are swapped back lazily: the sampled section follows the logits."""
+    path = write_model(tmp_path / "mamba.gguf", SynthSpec(arch="mamba", n_layer=2, n_embd=64, seed=3))
+    model = llamir.load_model(path)
+    ctx = llamir.Context(model, n_ctx=64, n_seq_max=2, backend="numpy",
+                         samplers={0: Chain([Greedy()]), 1: Chain([TopK(3), Greedy()])})
+    batch = llamir.Batch(tokens=[5, 9, 10, 6], pos=[0, 0, 1, 1], seq_ids=[(0,), (1,), (1,), (0,)],
+                         logits=[False, False, True, True])
+    assert ctx.decode(batch) == 0, ctx.last_error
+    assert ctx.outputs.swaps                               # rows were written seq 0 first
+    for i in (2, 3):
+        assert ctx.get_sampled_token_ith(i) == int(np.argmax(ctx.get_logits_ith(i)))
+    assert ctx.get_sampled_candidates_count_ith(2) == 3 and ctx.get_sampled_candidates_count_ith(3) == 0
