@@ -64,6 +64,7 @@ class LlamaSamplers:
         import llama_cpp.llama_cpp as bindings
 
         self.lib = bindings._lib
+        self.fns: dict[str, object] = {}
         self._owned: list[int] = []
         self._models: list[int] = []
         sig = self._declare
@@ -83,8 +84,11 @@ class LlamaSamplers:
         sig("llama_model_free", None, SAMPLER)
 
     def _declare(self, name: str, restype, *argtypes) -> None:
-        fn = getattr(self.lib, name)
+        # a function object of its own: the library's cached one is shared with other declarations
+        # (llama-cpp-python's, other tests'), whose argument types must not change under them
+        fn = self.lib[name]
         fn.restype, fn.argtypes = restype, list(argtypes)
+        self.fns[name] = fn
 
     def new(self, name: str, *args):
         """llama_sampler_init_<name>(*args), owned until close()."""
@@ -96,16 +100,16 @@ class LlamaSamplers:
             vocab, *rest, breakers = args
             arr = (c_char_p * len(breakers))(*[b.encode() if isinstance(b, str) else b for b in breakers])
             args = (vocab, *rest, arr, len(breakers))
-        handle = getattr(self.lib, f"llama_sampler_init_{name}")(*args)
+        handle = self.fns[f"llama_sampler_init_{name}"](*args)
         assert handle, f"llama_sampler_init_{name}{args} returned NULL"
         self._owned.append(handle)
         return handle
 
     def chain(self, samplers, no_perf: bool = True):
-        chain = self.lib.llama_sampler_chain_init(ChainParams(no_perf))
+        chain = self.fns["llama_sampler_chain_init"](ChainParams(no_perf))
         for s in samplers:
             self._owned.remove(s)
-            self.lib.llama_sampler_chain_add(chain, s)
+            self.fns["llama_sampler_chain_add"](chain, s)
         self._owned.append(chain)
         return chain
 
@@ -116,7 +120,7 @@ class LlamaSamplers:
         rec = np.frombuffer(buf, dtype=_RECORD)[:n]
         rec["id"], rec["logit"], rec["p"] = cur.ids, cur.logits, cur.p
         arr = TokenDataArrayC(ctypes.cast(buf, POINTER(TokenData)), n, cur.selected, cur.sorted)
-        self.lib.llama_sampler_apply(handle, ctypes.byref(arr))
+        self.fns["llama_sampler_apply"](handle, ctypes.byref(arr))
         start = (ctypes.cast(arr.data, SAMPLER).value - ctypes.addressof(buf)) // _RECORD.itemsize
         out = np.frombuffer(buf, dtype=_RECORD)[start:start + arr.size].copy()
         return TokenDataArray(out["id"], out["logit"], out["p"], int(arr.selected), bool(arr.sorted))
@@ -125,16 +129,19 @@ class LlamaSamplers:
         """llama_sampler_sample without a context: apply to every token, accept the pick."""
         out = self.apply(handle, TokenDataArray.from_logits(row))
         token = out.selected_token
-        self.lib.llama_sampler_accept(handle, token)
+        self.fns["llama_sampler_accept"](handle, token)
         return token
 
     def clone(self, handle):
-        twin = self.lib.llama_sampler_clone(handle)
+        twin = self.fns["llama_sampler_clone"](handle)
         self._owned.append(twin)
         return twin
 
     def __getattr__(self, name: str):
-        return getattr(self.lib, f"llama_sampler_{name}")
+        fns = self.__dict__.get("fns", {})
+        if f"llama_sampler_{name}" not in fns:
+            raise AttributeError(name)
+        return fns[f"llama_sampler_{name}"]
 
     def vocab(self, path) -> int:
         """The llama_vocab of a GGUF, loaded vocab-only (freed by close())."""
@@ -146,13 +153,13 @@ class LlamaSamplers:
         assert model, f"llama.cpp could not load {path}"
         model = ctypes.cast(model, SAMPLER).value
         self._models.append(model)
-        return self.lib.llama_model_get_vocab(model)
+        return self.fns["llama_model_get_vocab"](model)
 
     def close(self) -> None:
         for h in self._owned:
-            self.lib.llama_sampler_free(h)
+            self.fns["llama_sampler_free"](h)
         for m in self._models:
-            self.lib.llama_model_free(m)
+            self.fns["llama_model_free"](m)
         self._owned.clear()
         self._models.clear()
 

@@ -87,7 +87,7 @@ def test_default_common_chain_picks_llama_cpps_tokens(llama_samplers, vocab_mode
     ours, theirs = common_chain(llama_samplers, vocabs, llama_samplers.vocab(vocab_model), n, seed)
     picked = run_both(llama_samplers, ours, theirs, Source(n, seed))
     assert len(set(picked)) > 5, "the chain kept picking one token: the case exercises too little"
-    assert ours.perf().n_sample == llama_samplers.lib.llama_perf_sampler(theirs).n_sample == STEPS
+    assert ours.perf().n_sample == llama_samplers.fns["llama_perf_sampler"](theirs).n_sample == STEPS
 
 
 @pytest.mark.parametrize("over", [dict(top_k=0, top_n_sigma=-1.0), dict(top_k=0, top_p=(0.9, 1), min_p=(0.0, 1)),
