@@ -15,6 +15,7 @@ import numpy as np
 from llamir.context.batch import UBatch
 from llamir.context.kv_cache import KVCacheContext, is_masked_swa
 from llamir.frontend.built import InputSpec
+from llamir.frontend.graph_rs import RS_INPUTS
 
 
 class GraphParams(NamedTuple):
@@ -260,7 +261,7 @@ class InputRS(GraphInput):
     recurrent memory's context (llm_graph_input_rs)."""
 
     mctx: object
-    leaf_names = ("rs_s_copy", "rs_keep", "rs_dst")
+    leaf_names = RS_INPUTS
 
     def set_input(self, ubatch, values):
         mctx = self.mctx

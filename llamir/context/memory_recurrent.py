@@ -349,8 +349,9 @@ class RecurrentMemory(Memory):
     # -- state ------------------------------------------------------------------------------------
     def state_write(self, writer, seq_id: int = -1, flags: int = 0) -> None:
         from llamir.context import state_recurrent
+        from llamir.context.state_kv import check_memory_seq_id
 
-        state_recurrent.check_seq_id(self, seq_id)
+        check_memory_seq_id(self, seq_id)
         state_recurrent.write(writer, self, seq_id)
 
     def state_parse(self, reader, source, flags: int = 0):
@@ -360,8 +361,9 @@ class RecurrentMemory(Memory):
 
     def state_apply(self, parsed, dest_seq_id: int) -> None:
         from llamir.context import state_recurrent
+        from llamir.context.state_kv import check_memory_seq_id
 
-        state_recurrent.check_seq_id(self, dest_seq_id)
+        check_memory_seq_id(self, dest_seq_id)
         state_recurrent.apply(self, parsed, dest_seq_id)
 
 

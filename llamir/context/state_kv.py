@@ -317,7 +317,8 @@ def _write_rows(cache: KVCache, st: StreamState, strm: int, idxs: np.ndarray) ->
 
 
 def check_memory_seq_id(memory, seq_id) -> None:
-    """Memory.state_read/state_write's seq_id: -1 (every cell) or a sequence below n_seq_max."""
-    n_seq_max = caches_of(memory)[0].n_seq_max
+    """Memory.state_read/state_write's seq_id (any kind of memory): -1 (every cell) or a sequence
+    below n_seq_max."""
+    n_seq_max = memory.n_seq_max if hasattr(memory, "n_seq_max") else caches_of(memory)[0].n_seq_max
     if not (isinstance(seq_id, (int, np.integer)) and (seq_id == -1 or 0 <= seq_id < n_seq_max)):
         raise StateError(f"seq_id {seq_id!r} is neither -1 (every sequence) nor in [0, {n_seq_max})")

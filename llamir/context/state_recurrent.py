@@ -24,11 +24,6 @@ from llamir.ir import F32
 POS_END = int(np.iinfo(np.int32).max)
 
 
-def check_seq_id(memory: RecurrentMemory, seq_id) -> None:
-    if not (isinstance(seq_id, (int, np.integer)) and (seq_id == -1 or 0 <= seq_id < memory.n_seq_max)):
-        raise StateError(f"seq_id {seq_id!r} is neither -1 (every sequence) nor in [0, {memory.n_seq_max})")
-
-
 def _selected(memory: RecurrentMemory, seq_id: int) -> list[int]:
     return [i for i, c in enumerate(memory.cells)
             if (seq_id == -1 and not c.is_empty()) or seq_id in c.seq_id]
@@ -137,4 +132,4 @@ def apply(memory: RecurrentMemory, st: RecurrentState, dest_seq_id: int) -> None
     memory.write_rows(memory.head, st.rows)
 
 
-__all__ = ["RecurrentState", "apply", "check_seq_id", "parse", "write"]
+__all__ = ["RecurrentState", "apply", "parse", "write"]

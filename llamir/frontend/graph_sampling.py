@@ -79,16 +79,12 @@ def _candidates_at(lw: Lowering, data: SamplingData, idx: Node) -> Node:
     return _gather(lw.b, data.candidates, idx, dtype_i32=True)
 
 
-def _argmax(b: GraphBuilder, logits: Node) -> Node:
-    return b.argmax(logits)                                                          # i32 [1]
-
-
 @dataclass(frozen=True)
 class SampleGreedy:
     """llama_sampler_greedy: the argmax (mapped back to a vocabulary id through the candidates)."""
 
     def lower(self, lw: Lowering, data: SamplingData) -> None:
-        idx = _argmax(lw.b, data.logits)
+        idx = lw.b.argmax(data.logits)                                                # i32 [1]
         data.sampled = _candidates_at(lw, data, idx)
 
 
@@ -131,7 +127,7 @@ class SampleMinP:
 
     def lower(self, lw: Lowering, data: SamplingData) -> None:
         b = lw.b
-        top = _gather(b, data.logits, _argmax(b, data.logits))                        # [1, 1]
+        top = _gather(b, data.logits, b.argmax(data.logits))                        # [1, 1]
         threshold = b.scale(top, 1.0, float(np.log(np.float32(self.p))))              # max + logf(p)
         mask = b.unary("step", b.sub(data.logits, threshold))
         data.logits = b.add(data.logits, b.unary("log", mask))
@@ -144,7 +140,7 @@ class SampleTemp:
     def lower(self, lw: Lowering, data: SamplingData) -> None:
         b = lw.b
         if self.t <= 0.0:
-            idx = _argmax(b, data.logits)
+            idx = b.argmax(data.logits)
             data.candidates = _candidates_at(lw, data, idx)
             data.logits = _gather(b, data.logits, idx)
             return

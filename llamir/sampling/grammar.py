@@ -18,8 +18,8 @@ llama_grammar_apply_impl allows them.
 
 GBNF goes through llguidance's converter, with what it gets wrong for GBNF set right (each case is
 checked against llama.cpp's own sampler in tests/sampling/test_grammar.py): `.` matches any
-character including a newline; `\\uXXXX`, `\\UXXXXXXXX` and `\\x80`..`\\xFF` escapes become
-the characters they name (the converter writes escapes its Lark side cannot read); a rule named
+character including a newline; `\\u` (four hex digits), `\\U` (eight) and `\\x80`..`\\xFF`
+escapes become the characters they name (the converter writes escapes its Lark side cannot read); a rule named
 `start`, and a `root=` other than "root", are renamed around the converter's fixed start rule; and
 forcing is off: llguidance otherwise allows only the canonical tokenization of text the grammar
 forces (after "((a" with "))" to come, only the token "))", not ")"), which is what llama.cpp's
