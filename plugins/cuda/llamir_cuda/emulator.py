@@ -1,0 +1,458 @@
+"""A CUDA device emulated on the host: the kernels' HOST builds (kir.py) run under a SIMT
+scheduler, over host memory, behind the same `DeviceContext` interface as the real driver.
+
+Every GPU thread of a block is a fiber (ucontext) with its own small stack. The scheduler
+resumes each runnable thread until it yields at a barrier (it then waits for every live
+thread of the block) or at a warp exchange (a shuffle or an mma: it waits for every live lane
+of its warp), releases whoever may go on, and repeats until the block is done. Kernels without
+barriers or shuffles run thread after thread without fibers. A block whose live threads all
+wait and none can be released is a divergent barrier (a real GPU hangs or misbehaves on it):
+the launch fails and says which block.
+
+Blocks run one after another, so the emulator is slow and deterministic: for tests, not speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+
+from llamir_cuda import kir
+from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError
+from llamir_cuda.kir import I8, I32, I64, PTR, VOID
+
+UCONTEXT_BYTES = 968  # sizeof(ucontext_t), glibc x86-64
+UC_LINK, UC_STACK_SP, UC_STACK_SIZE = 8, 16, 32
+REC_BYTES = kir.REC_UCONTEXT + 1024
+STACK_BYTES = 64 << 10
+RUN, DONE = 0, 3
+
+
+def _runtime_module() -> ir.Module:
+    """llamir_emu_launch(entry, args, recs, stacks, shared, xchg, sched, grid xyz, block xyz,
+    shared_bytes, fibers) -> 0, or 1 + the index of a block whose barriers diverged."""
+    m = ir.Module(name="llamir_emu_runtime")
+    current_rec = ir.GlobalVariable(m, PTR, "llamir_emu_current_rec")
+    current_rec.initializer = ir.Constant(PTR, None)
+    current_rec.linkage = "internal"
+    current_entry = ir.GlobalVariable(m, PTR, "llamir_emu_current_entry")
+    current_entry.initializer = ir.Constant(PTR, None)
+    current_entry.linkage = "internal"
+    getcontext = ir.Function(m, ir.FunctionType(I32, [PTR]), "getcontext")
+    makecontext = ir.Function(m, ir.FunctionType(VOID, [PTR, PTR, I32], var_arg=True), "makecontext")
+    swapcontext = ir.Function(m, ir.FunctionType(I32, [PTR, PTR]), "swapcontext")
+    memset = ir.Function(m, ir.FunctionType(VOID, [PTR, I8, I64, ir.IntType(1)]), "llvm.memset.p0.i64")
+    entry_ty = ir.FunctionType(VOID, [PTR])
+
+    # the fiber's body: run the kernel for the current thread, then mark it done (uc_link
+    # returns to the scheduler)
+    fiber = ir.Function(m, ir.FunctionType(VOID, []), "llamir_emu_fiber")
+    fiber.linkage = "internal"
+    b = ir.IRBuilder(fiber.append_basic_block())
+    rec = b.load(current_rec, typ=PTR)
+    b.call(_cast_fn(b, b.load(current_entry, typ=PTR), entry_ty), [rec])
+    b.store(ir.Constant(I32, DONE), b.gep(rec, [ir.Constant(I64, kir.REC_STATE)], source_etype=I8))
+    b.ret_void()
+
+    args = [PTR, PTR, PTR, PTR, PTR, PTR, PTR] + [I32] * 6 + [I64, I32]
+    fn = ir.Function(m, ir.FunctionType(I32, args), "llamir_emu_launch")
+    (entry, kargs, recs, stacks, shared, xchg, sched, gx, gy, gz, bx, by, bz, shared_bytes, fibers) = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    b.store(entry, current_entry)
+    n_thr = b.mul(b.mul(bx, by), bz)
+    n_blk = b.mul(b.mul(gx, gy), gz)
+
+    def field(r, offset, ty=I32):
+        return b.gep(r, [ir.Constant(I64, offset)], source_etype=I8), ty
+
+    def put(r, offset, value):
+        b.store(value, b.gep(r, [ir.Constant(I64, offset)], source_etype=I8))
+
+    def get(r, offset, ty=I32):
+        return b.load(b.gep(r, [ir.Constant(I64, offset)], source_etype=I8), typ=ty)
+
+    def rec_of(t):
+        return b.gep(recs, [b.mul(b.zext(t, I64), ir.Constant(I64, REC_BYTES))], source_etype=I8)
+
+    loop = _Loops(fn, b)
+    with loop.count(n_blk) as blk:
+        cx = b.urem(blk, gx)
+        cy = b.urem(b.udiv(blk, gx), gy)
+        cz = b.udiv(blk, b.mul(gx, gy))
+        b.call(memset, [shared, ir.Constant(I8, 0), shared_bytes, ir.Constant(ir.IntType(1), 0)])
+        with loop.count(n_thr) as t:
+            r = rec_of(t)
+            for axis, v in enumerate((b.urem(t, bx), b.urem(b.udiv(t, bx), by), b.udiv(t, b.mul(bx, by)))):
+                put(r, kir.REC_TID + 4 * axis, v)
+            for axis, v in enumerate((cx, cy, cz)):
+                put(r, kir.REC_CTAID + 4 * axis, v)
+            for axis, v in enumerate((bx, by, bz)):
+                put(r, kir.REC_NTID + 4 * axis, v)
+            for axis, v in enumerate((gx, gy, gz)):
+                put(r, kir.REC_NCTAID + 4 * axis, v)
+            put(r, kir.REC_LINEAR, t)
+            put(r, kir.REC_STATE, ir.Constant(I32, RUN))
+            put(r, kir.REC_SHARED, shared)
+            put(r, kir.REC_XCHG, xchg)
+            put(r, kir.REC_ARGS, kargs)
+            put(r, kir.REC_SCHED, sched)
+        no_fibers = b.icmp_unsigned("==", fibers, ir.Constant(I32, 0))
+        with b.if_else(no_fibers) as (plain, with_fibers):
+            with plain:
+                with loop.count(n_thr) as t:
+                    b.call(_cast_fn(b, entry, entry_ty), [rec_of(t)])
+            with with_fibers:
+                with loop.count(n_thr) as t:
+                    r = rec_of(t)
+                    uc = b.gep(r, [ir.Constant(I64, kir.REC_UCONTEXT)], source_etype=I8)
+                    b.call(getcontext, [uc])
+                    put(uc, UC_LINK, sched)
+                    stack = b.gep(stacks, [b.mul(b.zext(t, I64), ir.Constant(I64, STACK_BYTES))], source_etype=I8)
+                    put(uc, UC_STACK_SP, stack)
+                    put(uc, UC_STACK_SP + 8, ir.Constant(I32, 0))
+                    put(uc, UC_STACK_SIZE, ir.Constant(I64, STACK_BYTES))
+                    b.call(makecontext, [uc, fiber, ir.Constant(I32, 0)])
+                status = _schedule(b, loop, n_thr, rec_of, get, put, swapcontext, sched, current_rec)
+                failed = b.icmp_unsigned("!=", status, ir.Constant(I32, 0))
+                with b.if_then(failed):
+                    b.ret(b.add(blk, ir.Constant(I32, 1)))
+    b.ret(ir.Constant(I32, 0))
+    return m
+
+
+def _cast_fn(b, ptr, fnty):
+    """A call target from an opaque pointer (typed by the call's function type)."""
+    return _TypedCallee(ptr, fnty)
+
+
+class _TypedCallee:
+    """An opaque function pointer llvmlite can call: it reads `.type` and `.function_type`."""
+
+    def __init__(self, ptr, fnty):
+        self.ptr, self.function_type = ptr, fnty
+        self.type = ptr.type
+
+    def get_reference(self):
+        return self.ptr.get_reference()
+
+    def __str__(self):
+        return str(self.ptr)
+
+
+def _schedule(b, loop, n_thr, rec_of, get, put, swapcontext, sched, current_rec):
+    """Resume runnable threads until the block is done: 0, or 1 when its live threads all wait
+    and none may go on."""
+    fn = b.function
+    head = fn.append_basic_block("sched")
+    out = fn.append_basic_block("sched_out")
+    result = b.alloca(I32)
+    b.branch(head)
+    b.position_at_end(head)
+    with loop.count(n_thr) as t:
+        r = rec_of(t)
+        with b.if_then(b.icmp_unsigned("==", get(r, kir.REC_STATE), ir.Constant(I32, RUN))):
+            b.store(r, current_rec)
+            b.call(swapcontext, [sched, b.gep(r, [ir.Constant(I64, kir.REC_UCONTEXT)], source_etype=I8)])
+    live, at_barrier = b.alloca(I32), b.alloca(I32)
+    b.store(ir.Constant(I32, 0), live)
+    b.store(ir.Constant(I32, 0), at_barrier)
+    with loop.count(n_thr) as t:
+        state = get(rec_of(t), kir.REC_STATE)
+        b.store(b.add(b.load(live), b.zext(b.icmp_unsigned("!=", state, ir.Constant(I32, DONE)), I32)), live)
+        is_bar = b.icmp_unsigned("==", state, ir.Constant(I32, kir.SYNC_BLOCK))
+        b.store(b.add(b.load(at_barrier), b.zext(is_bar, I32)), at_barrier)
+    n_live = b.load(live)
+    all_done = b.icmp_unsigned("==", n_live, ir.Constant(I32, 0))
+    b.store(ir.Constant(I32, 0), result)
+    cont = fn.append_basic_block("sched_more")
+    b.cbranch(all_done, out, cont)
+    b.position_at_end(cont)
+    released = b.alloca(I32)
+    b.store(ir.Constant(I32, 0), released)
+    whole_block = b.icmp_unsigned("==", b.load(at_barrier), n_live)
+    with b.if_else(whole_block) as (release_block, release_warps):
+        with release_block:
+            with loop.count(n_thr) as t:
+                r = rec_of(t)
+                with b.if_then(b.icmp_unsigned("==", get(r, kir.REC_STATE), ir.Constant(I32, kir.SYNC_BLOCK))):
+                    put(r, kir.REC_STATE, ir.Constant(I32, RUN))
+                    b.store(ir.Constant(I32, 1), released)
+        with release_warps:
+            n_warps = b.udiv(b.add(n_thr, ir.Constant(I32, kir.WARP - 1)), ir.Constant(I32, kir.WARP))
+            with loop.count(n_warps) as w:
+                lo = b.mul(w, ir.Constant(I32, kir.WARP))
+                hi = b.add(lo, ir.Constant(I32, kir.WARP))
+                hi = b.select(b.icmp_unsigned("<", hi, n_thr), hi, n_thr)
+                wl, ww = b.alloca(I32), b.alloca(I32)
+                b.store(ir.Constant(I32, 0), wl)
+                b.store(ir.Constant(I32, 0), ww)
+                with loop.range(lo, hi) as t:
+                    state = get(rec_of(t), kir.REC_STATE)
+                    b.store(b.add(b.load(wl), b.zext(b.icmp_unsigned("!=", state, ir.Constant(I32, DONE)), I32)), wl)
+                    is_w = b.icmp_unsigned("==", state, ir.Constant(I32, kir.SYNC_WARP))
+                    b.store(b.add(b.load(ww), b.zext(is_w, I32)), ww)
+                n_wl = b.load(wl)
+                ready = b.and_(b.icmp_unsigned("!=", n_wl, ir.Constant(I32, 0)), b.icmp_unsigned("==", b.load(ww), n_wl))
+                with b.if_then(ready):
+                    with loop.range(lo, hi) as t:
+                        r = rec_of(t)
+                        with b.if_then(b.icmp_unsigned("==", get(r, kir.REC_STATE), ir.Constant(I32, kir.SYNC_WARP))):
+                            put(r, kir.REC_STATE, ir.Constant(I32, RUN))
+                    b.store(ir.Constant(I32, 1), released)
+    stuck = b.icmp_unsigned("==", b.load(released), ir.Constant(I32, 0))
+    b.store(ir.Constant(I32, 1), result)
+    b.cbranch(stuck, out, head)
+    b.position_at_end(out)
+    return b.load(result)
+
+
+class _Loops:
+    """Counted loops for the runtime's builder."""
+
+    def __init__(self, fn, b):
+        self.fn, self.b = fn, b
+
+    def count(self, n):
+        return self.range(ir.Constant(I32, 0), n)
+
+    def range(self, lo, hi):
+        import contextlib
+
+        @contextlib.contextmanager
+        def gen():
+            b = self.b
+            slot = b.alloca(I32)
+            b.store(lo, slot)
+            head, body, done = (self.fn.append_basic_block(n) for n in ("rt_loop", "rt_body", "rt_done"))
+            b.branch(head)
+            b.position_at_end(head)
+            i = b.load(slot)
+            b.cbranch(b.icmp_unsigned("<", i, hi), body, done)
+            b.position_at_end(body)
+            yield i
+            b.store(b.add(i, ir.Constant(I32, 1)), slot)
+            b.branch(head)
+            b.position_at_end(done)
+
+        return gen()
+
+
+def _yield_definition(module: ir.Module) -> None:
+    """llamir_emu_yield(rec, kind) inside a kernel's host module: mark what the thread waits for
+    and switch to the scheduler."""
+    fn = module.globals.get("llamir_emu_yield")
+    if fn is None or not fn.is_declaration:
+        return
+    swap = module.globals.get("swapcontext") or ir.Function(module, ir.FunctionType(I32, [PTR, PTR]), "swapcontext")
+    fn.linkage = "internal"
+    rec, kind = fn.args
+    b = ir.IRBuilder(fn.append_basic_block())
+    b.store(kind, b.gep(rec, [ir.Constant(I64, kir.REC_STATE)], source_etype=I8))
+    sched = b.load(b.gep(rec, [ir.Constant(I64, kir.REC_SCHED)], source_etype=I8), typ=PTR)
+    b.call(swap, [b.gep(rec, [ir.Constant(I64, kir.REC_UCONTEXT)], source_etype=I8), sched])
+    b.ret_void()
+
+
+# -- the JIT ---------------------------------------------------------------------------------
+_jit_lock = threading.RLock()
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int32, *([ctypes.c_void_p] * 7), *([ctypes.c_int32] * 6),
+                           ctypes.c_int64, ctypes.c_int32)
+
+
+@functools.cache
+def _host_machine():
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
+                                        opt=2, jit=True)
+
+
+@functools.cache
+def _lljit():
+    return llvm.create_lljit_compiler(_host_machine())
+
+
+_counter = iter(range(1 << 62))
+
+
+def _jit(module: ir.Module, exports: list[str]) -> tuple[object, dict[str, int]]:
+    machine = _host_machine()
+    ref = llvm.parse_assembly(str(module))
+    ref.triple = llvm.get_process_triple()
+    ref.data_layout = str(machine.target_data)
+    ref.verify()
+    kir._optimize(ref, machine)
+    obj = machine.emit_object(ref)
+    with _jit_lock:
+        builder = llvm.JITLibraryBuilder()
+        builder.add_object_img(obj)
+        builder.add_current_process()
+        for e in exports:
+            builder.export_symbol(e)
+        tracker = builder.link(_lljit(), f"llamir_cuda_emu_{next(_counter)}")
+    return tracker, {e: tracker[e] for e in exports}
+
+
+@functools.cache
+def _runtime():
+    tracker, addrs = _jit(_runtime_module(), ["llamir_emu_launch"])
+    return tracker, _LAUNCH(addrs["llamir_emu_launch"])
+
+
+@functools.cache
+def _host_function(kernel: kir.Kernel) -> tuple[object, int]:
+    kb = kernel.build(kir.HOST)
+    module = kb.module
+    _yield_definition(module)
+    return _jit(module, [kernel.name])
+
+
+# -- the device ------------------------------------------------------------------------------
+EMULATED = DeviceInfo(0, "llamir SIMT emulator (host CPU)", (9, 0), 16 << 30, 1)
+
+
+class Emulator(Driver):
+    """One emulated device of sm_90's semantics and 16 GiB."""
+
+    name = "emulator"
+
+    def __init__(self):
+        self._context: EmulatedContext | None = None
+
+    def devices(self) -> list[DeviceInfo]:
+        return [EMULATED]
+
+    def context(self, index: int) -> EmulatedContext:
+        if index != 0:
+            raise DriverError(f"the emulator has one device, not {index + 1}")
+        if self._context is None:
+            self._context = EmulatedContext(EMULATED)
+        return self._context
+
+
+@functools.cache
+def shared_emulator() -> Emulator:
+    return Emulator()
+
+
+class EmulatedContext(DeviceContext):
+    """Device memory is host memory; copies and launches run at once, so streams and events are
+    already in order."""
+
+    def __init__(self, info: DeviceInfo):
+        self.info = info
+        self._memory: dict[int, np.ndarray] = {}
+        self._scratch: dict[int, tuple] = {}
+        self._launch_lock = threading.Lock()
+        self.n_launches = 0
+
+    # -- memory ------------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        raw = np.zeros(int(nbytes) + 256, np.uint8)
+        ptr = (raw.ctypes.data + 255) // 256 * 256
+        self._memory[ptr] = raw
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        if self._memory.pop(ptr, None) is None:
+            raise DriverError(f"free of {ptr:#x}: not a device allocation")
+
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        return np.zeros(int(nbytes), np.uint8)
+
+    def free_host(self, array: np.ndarray) -> None:
+        pass
+
+    def memcpy_htod_async(self, dst: int, src: np.ndarray, stream=None) -> None:
+        src = np.ascontiguousarray(src)
+        ctypes.memmove(dst, src.ctypes.data, src.nbytes)
+
+    def memcpy_dtoh_async(self, dst: np.ndarray, src: int, stream=None) -> None:
+        if not dst.flags.c_contiguous:
+            raise DriverError("memcpy_dtoh_async needs a C-contiguous destination")
+        ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
+
+    def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        ctypes.memmove(dst, src, int(nbytes))
+
+    def memset_async(self, dst: int, value: int, nbytes: int, stream=None) -> None:
+        ctypes.memset(dst, int(value), int(nbytes))
+
+    # -- kernels ---------------------------------------------------------------------------------
+    def load(self, kernel: kir.Kernel) -> tuple[kir.Kernel, int]:
+        tracker, addrs = _host_function(kernel)
+        return kernel, addrs[kernel.name]
+
+    def _buffers(self, n_threads: int, shared_bytes: int):
+        """The launch's records, stacks, shared memory, exchange words and scheduler context,
+        kept per block size."""
+        bufs = self._scratch.get(n_threads)
+        if bufs is None or bufs[2].nbytes < shared_bytes + 16:
+            bufs = (np.zeros(n_threads * REC_BYTES, np.uint8), np.empty(n_threads * STACK_BYTES, np.uint8),
+                    np.zeros(max(shared_bytes, 48 << 10) + 16, np.uint8),
+                    np.zeros(n_threads * kir.XCHG_WORDS * 4 + 64, np.uint8), np.zeros(UCONTEXT_BYTES + 64, np.uint8))
+            self._scratch[n_threads] = bufs
+        return bufs
+
+    def launch(self, function, grid, block, args, stream=None) -> None:
+        kernel, address = function
+        slots = pack_slots(kernel.params, args)
+        n_threads = int(np.prod(block))
+        if tuple(block) != kernel.block:
+            raise DriverError(f"{kernel.name} is built for blocks of {kernel.block}, launched with {tuple(block)}")
+        if min(grid) < 1:
+            raise DriverError(f"{kernel.name}: empty grid {tuple(grid)}")
+        _, run = _runtime()
+        with self._launch_lock:
+            recs, stacks, shared, xchg, sched = self._buffers(n_threads, kernel.shared_bytes)
+            status = run(address, slots.ctypes.data, recs.ctypes.data, stacks.ctypes.data,
+                         _aligned(shared), _aligned(xchg), _aligned(sched), *map(int, grid), *map(int, block),
+                         kernel.shared_bytes, int(kernel.uses_sync))
+            self.n_launches += 1
+        if status:
+            raise DriverError(f"{kernel.name}: block {status - 1} of grid {tuple(grid)}: every live thread waits "
+                              "at a barrier or warp exchange that not all of them reach (divergent barrier)")
+
+    # -- streams and events ----------------------------------------------------------------------
+    def stream_new(self) -> object:
+        return object()
+
+    def stream_synchronize(self, stream=None) -> None:
+        pass
+
+    def event_new(self) -> object:
+        return object()
+
+    def event_record(self, event, stream=None) -> None:
+        pass
+
+    def event_synchronize(self, event) -> None:
+        pass
+
+    def stream_wait_event(self, stream, event) -> None:
+        pass
+
+
+def _aligned(array: np.ndarray) -> int:
+    return (array.ctypes.data + 15) // 16 * 16
+
+
+def pack_slots(signature: tuple[str, ...], args: list) -> np.ndarray:
+    """The kernel's arguments as 8-byte slots (what a host kernel reads from its record)."""
+    if len(args) != len(signature):
+        raise DriverError(f"the kernel takes {len(signature)} arguments, got {len(args)}")
+    slots = np.zeros(len(signature), np.uint64)
+    for i, (kind, value) in enumerate(zip(signature, args, strict=True)):
+        if kind == "f":
+            slots[i] = int(np.array(value, np.float32).view(np.uint32))
+        elif kind == "i":
+            slots[i] = int(value) & 0xFFFFFFFF
+        else:
+            slots[i] = int(value) & 0xFFFFFFFFFFFFFFFF
+    return slots
