@@ -20,6 +20,7 @@ from llamir.backends.base import (
     cpu_device,
     op_batch_size,
 )
+from llamir.backends.device_graph import DeviceGraph
 from llamir.backends.registry import (
     BackendReg,
     Option,
@@ -43,6 +44,7 @@ __all__ = [
     "CostModel",
     "Device",
     "DeviceCaps",
+    "DeviceGraph",
     "DeviceType",
     "Event",
     "Executable",

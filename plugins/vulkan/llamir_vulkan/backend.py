@@ -16,11 +16,12 @@ from llamir.backends import (
     CostModel,
     Device,
     DeviceCaps,
+    DeviceGraph,
     DeviceType,
     TensorData,
     op_batch_size,
 )
-from llamir.ir import bind_dims, geometry, ops
+from llamir.ir import ops
 from llamir_vulkan import (  # noqa: F401 - each registers its kernels
     kernels_attention,
     kernels_elementwise,
@@ -219,7 +220,7 @@ class VulkanBackend(Backend):
     def compile(self, graph):
         """A whole graph (test-backend-ops): leaves copied into device buffers, every node run
         there, outputs read back."""
-        return _CompiledGraph(self, graph)
+        return DeviceGraph(self, graph, self.run)
 
     def synchronize(self) -> None:
         super().synchronize()
@@ -241,58 +242,6 @@ def _pack_params(dispatches, alignment: int) -> tuple[np.ndarray, list[int]]:
         offsets.append(len(words) * 4)
         words.extend(int(w) for w in d.params)
     return np.array(words or [0], dtype=np.uint32), offsets
-
-
-class _CompiledGraph:
-    """A whole graph on the device, per binding of its dims. Buffers for its leaves and values
-    are allocated on the first call and kept, so later calls replay the same command buffer."""
-
-    def __init__(self, backend: VulkanBackend, graph):
-        unsupported = backend.unsupported(graph)
-        if unsupported:
-            raise BackendError(f"backend vulkan cannot run: {', '.join(sorted({n.op.name for n in unsupported}))}")
-        self.backend, self.graph = backend, graph
-        self.buft = backend.device.buffer_type()
-        self.bound: dict[tuple, tuple] = {}
-
-    def _alloc(self, node) -> TensorData:
-        shape = geometry.storage_shape(tuple(int(d) for d in node.type.shape), node.dtype)
-        dtype = geometry.storage_dtype(node.dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        buf = self.buft.alloc_buffer(max(nbytes, 4))
-        strides = geometry.storage_strides(node, tuple(int(s) for s in node.type.contiguous_strides()))
-        return TensorData(buf, 0, shape, dtype, strides, nbytes)
-
-    def _layout(self, graph) -> dict[int, TensorData]:
-        tensors: dict[int, TensorData] = {}
-        cache: dict[int, tuple[int, ...]] = {}
-        for node in [*graph.leafs, *graph.nodes]:
-            if node.is_leaf or not geometry.is_view_like(node):
-                tensors[id(node)] = self._alloc(node)
-                continue
-            root = tensors[id(geometry.view_root(node))]
-            dtype = geometry.storage_dtype(node.dtype)
-            strides = geometry.value_strides(node, cache)
-            tensors[id(node)] = TensorData(
-                root.buffer, root.offset + geometry.view_offset(node),
-                geometry.storage_shape(tuple(int(d) for d in node.type.shape), node.dtype), dtype,
-                geometry.storage_strides(node, strides), geometry.ggml_nbytes(node, strides))
-        return tensors
-
-    def __call__(self, leaf_values, bindings, observe=None):
-        key = tuple(sorted(bindings.items()))
-        if key not in self.bound:
-            graph = bind_dims(self.graph, dict(bindings)) if bindings else self.graph
-            self.bound[key] = (graph, self._layout(graph))
-        graph, t = self.bound[key]
-        for leaf in graph.leafs:
-            t[id(leaf)].write(np.ascontiguousarray(leaf_values[leaf.name]))
-        work = [(node, [t[id(i)] for i in node.inputs], t[id(node)])
-                for node in graph.nodes if not node.op.is_view]
-        self.backend.run(work, observe, lambda node: t[id(node)].read())
-        for leaf in graph.leafs_of_kind("state"):  # written in place (set_rows): back to the caller
-            np.copyto(leaf_values[leaf.name], t[id(leaf)].read())
-        return {name: t[id(node)].read() for name, node in graph.outputs.items()}
 
 
 def describe_error(err: Exception) -> str:
