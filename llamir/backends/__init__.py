@@ -29,6 +29,7 @@ from llamir.backends.registry import (
     backend_from_spec,
     get_backend,
     get_registry,
+    parse_bool,
     register_backend,
 )
 from llamir.backends.support import SupportTable, float_types, numpy_table
@@ -63,5 +64,6 @@ __all__ = [
     "get_registry",
     "numpy_table",
     "op_batch_size",
+    "parse_bool",
     "register_backend",
 ]

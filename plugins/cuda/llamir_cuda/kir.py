@@ -488,6 +488,48 @@ class KernelBuilder:
         nan = b.or_(b.lshr(u, self.i32(16)), self.i32(64))
         return b.trunc(self.select(is_nan, nan, rounded), I16)
 
+    def load_f32(self, ptr: ir.Value, byte_offset: ir.Value, dtype: str) -> ir.Value:
+        """An element of a float or int32 tensor (storage type `dtype`) as f32."""
+        if dtype == "f32":
+            return self.load(ptr, F32, byte_offset)
+        if dtype == "f16":
+            return self.h2f(self.load(ptr, I16, byte_offset))
+        if dtype == "bf16":
+            return self.bf2f(self.load(ptr, I16, byte_offset))
+        if dtype == "i32":
+            return self.b.sitofp(self.load(ptr, I32, byte_offset), F32)
+        raise ValueError(f"no f32 load of {dtype}")
+
+    def store_f32(self, value: ir.Value, ptr: ir.Value, byte_offset: ir.Value, dtype: str) -> None:
+        """Store an f32 into a tensor of storage type `dtype` (ggml's rounding)."""
+        if dtype == "f32":
+            self.store(value, ptr, byte_offset)
+        elif dtype == "f16":
+            self.store(self.f2h(value), ptr, byte_offset)
+        elif dtype == "bf16":
+            self.store(self.f2bf(value), ptr, byte_offset)
+        elif dtype == "i32":
+            self.store(self.b.fptosi(value, I32), ptr, byte_offset)
+        else:
+            raise ValueError(f"no f32 store to {dtype}")
+
+    def unravel(self, index: ir.Value, ne: list[ir.Value]) -> list[ir.Value]:
+        """(i0, i1, i2, i3) of a flat i32 index over the extents ne0..ne2 (ne3 is the rest)."""
+        b, out = self.b, []
+        for n in ne[:3]:
+            out.append(b.srem(index, n))
+            index = b.sdiv(index, n)
+        return [*out, index]
+
+    def global_id(self) -> ir.Value:
+        """blockIdx.x * blockDim.x + threadIdx.x as i32."""
+        return self.b.add(self.b.mul(self.ctaid(0), self.i32(self.block[0])), self.tid(0))
+
+    def count(self, t: Tensor) -> ir.Value:
+        """ne0 * ne1 * ne2 * ne3 of `t` (i32)."""
+        b = self.b
+        return b.mul(b.mul(t.ne[0], t.ne[1]), b.mul(t.ne[2], t.ne[3]))
+
     # -- integer dot products and tensor cores ---------------------------------------------------
     def dp4a(self, a: ir.Value, c: ir.Value, acc: ir.Value) -> ir.Value:
         """acc + the dot product of the four signed bytes of `a` and of `c` (__dp4a)."""
