@@ -23,6 +23,9 @@ GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 # made once per process, so this must hold before any test lists the backends); the loader wants
 # a runtime directory.
 os.environ.setdefault("LLAMIR_VULKAN_VALIDATE", "1")
+# The CUDA plugin runs on its host emulator unless a GPU run asks for the driver
+# (LLAMIR_CUDA_DRIVER=libcuda): the devices are listed once per process, so it is set here.
+os.environ.setdefault("LLAMIR_CUDA_DRIVER", "emulator")
 if not os.environ.get("XDG_RUNTIME_DIR"):
     os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="llamir-xdg-")
 
