@@ -197,7 +197,8 @@ def _schedule(b, loop, n_thr, rec_of, get, put, swapcontext, sched, current_rec)
                     is_w = b.icmp_unsigned("==", state, ir.Constant(I32, kir.SYNC_WARP))
                     b.store(b.add(b.load(ww), b.zext(is_w, I32)), ww)
                 n_wl = b.load(wl)
-                ready = b.and_(b.icmp_unsigned("!=", n_wl, ir.Constant(I32, 0)), b.icmp_unsigned("==", b.load(ww), n_wl))
+                ready = b.and_(b.icmp_unsigned("!=", n_wl, ir.Constant(I32, 0)),
+                               b.icmp_unsigned("==", b.load(ww), n_wl))
                 with b.if_then(ready):
                     with loop.range(lo, hi) as t:
                         r = rec_of(t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llamir.ir import ops
 from llamir_cuda import kir
-from llamir_cuda.kir import scalar, tensor
+from llamir_cuda.kir import tensor
 from llamir_cuda.lowering import ceil_div, grid_for, is_float, kernel
 
 BLOCK = 256
@@ -28,4 +28,5 @@ def _binary_kernel(op: str, ta: str, tb: str, td: str) -> kir.Kernel:
 def binary(k, node, srcs, dst) -> None:
     a, c = node.inputs
     kern = _binary_kernel(BINARY[type(node.op)], a.dtype.name, c.dtype.name, node.dtype.name)
-    k.launch(kern, grid_for(ceil_div(int(node.type.numel), BLOCK)), [(a.type, srcs[0]), (c.type, srcs[1]), (node.type, dst)])
+    k.launch(kern, grid_for(ceil_div(int(node.type.numel), BLOCK)),
+             [(a.type, srcs[0]), (c.type, srcs[1]), (node.type, dst)])

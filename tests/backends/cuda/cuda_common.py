@@ -3,21 +3,12 @@ ptxas on the PTX of the kernels a run made."""
 
 from __future__ import annotations
 
-import pytest
 from llamir_cuda import kir
 from llamir_cuda.ptxas import check_kernel
 
-from llamir.backends import get_backend, get_registry
 from llamir.testing.backend_ops import OK, run_backend_ops
 
 ARCHS = ("sm_80", "sm_90")
-
-
-@pytest.fixture(scope="session")
-def cuda():
-    device = get_registry("cuda").devices()[0]
-    assert not device.unusable, f"the CUDA device is not usable: {device.unusable}"
-    return get_backend("cuda")
 
 
 def run_ops(backend, ops: list[str], min_supported: int = 1):

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from cuda_common import assert_assembles, cuda, run_ops  # noqa: F401 - cuda is a fixture
+from cuda_common import assert_assembles, run_ops
 
 
 def test_binary(cuda):
