@@ -233,7 +233,8 @@ class KernelBuilder:
             g.linkage = "internal"
             g.initializer = ir.Constant(arr, ir.Undefined)
             g.align = 16
-            base = self.b.bitcast(g, ir.PointerType(addrspace=SHARED))
+            g.type = ir.PointerType(addrspace=SHARED)  # opaque, as LLVM 22 prints it
+            base = g
         else:
             base = self.at(self._rec_field(REC_SHARED, PTR), self.i64(self.shared_bytes))
         self.shared_bytes += -(-size // 16) * 16
