@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llvmlite import binding as llvm
 from llvmlite import ir
@@ -692,8 +695,6 @@ def defined_kernels() -> list[Kernel]:
 
 
 def _digest(key: tuple) -> str:
-    import hashlib
-
     return hashlib.sha1(repr(key).encode()).hexdigest()[:10]
 
 
@@ -718,11 +719,34 @@ def _nvptx_machine(arch: str):
 _PTX_CACHE: dict[tuple, str] = {}
 
 
+def cache_dir() -> Path:
+    """Where PTX is kept between processes: LLAMIR_CUDA_CACHE, else ~/.cache/llamir/cuda, in a
+    folder named by a hash of the plugin's sources (a change to a kernel or to kir makes new
+    files, never a stale hit)."""
+    root = os.environ.get("LLAMIR_CUDA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llamir", "cuda")
+    return Path(root) / _sources_digest()
+
+
+@functools.cache
+def _sources_digest() -> str:
+    h = hashlib.sha1(llvm.llvm_version_info.__repr__().encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def ptx_of(kernel: Kernel, arch: str) -> str:
-    """The PTX text of `kernel` for `arch` (e.g. sm_80, sm_90), optimised at O3."""
+    """The PTX text of `kernel` for `arch` (e.g. sm_80, sm_90), optimised at O3; memoized, and
+    cached on disk by kernel name (its key's digest) and arch."""
     key = (kernel.key, arch)
     text = _PTX_CACHE.get(key)
     if text is None:
+        path = cache_dir() / arch / f"{kernel.name}.ptx"
+        if path.is_file():
+            text = path.read_text()
+            _PTX_CACHE[key] = text
+            return text
         machine = _nvptx_machine(arch)
         ref = llvm.parse_assembly(kernel.ir(NVPTX))
         ref.triple = "nvptx64-nvidia-cuda"
@@ -731,6 +755,13 @@ def ptx_of(kernel: Kernel, arch: str) -> str:
         _optimize(ref, machine)
         text = machine.emit_assembly(ref)
         _PTX_CACHE[key] = text
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache only costs the next process a compile
     return text
 
 
