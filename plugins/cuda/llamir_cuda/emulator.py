@@ -351,7 +351,7 @@ class EmulatedContext(DeviceContext):
         self._memory: dict[int, np.ndarray] = {}
         self._scratch: dict[int, tuple] = {}
         self._launch_lock = threading.Lock()
-        self.n_launches = 0
+        self.n_launches = self.n_graphs = self.n_graph_launches = 0
 
     # -- memory ------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:
@@ -380,6 +380,9 @@ class EmulatedContext(DeviceContext):
         ctypes.memmove(dst.ctypes.data, src, dst.nbytes)
 
     def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        if _capturing(stream):
+            stream.captured.append((self.memcpy_dtod_async, (dst, src, nbytes)))
+            return
         ctypes.memmove(dst, src, int(nbytes))
 
     def memset_async(self, dst: int, value: int, nbytes: int, stream=None) -> None:
@@ -402,6 +405,9 @@ class EmulatedContext(DeviceContext):
         return bufs
 
     def launch(self, function, grid, block, args, stream=None) -> None:
+        if _capturing(stream):
+            stream.captured.append((self.launch, (function, grid, block, list(args))))
+            return
         kernel, address = function
         slots = pack_slots(kernel.params, args)
         n_threads = int(np.prod(block))
@@ -422,7 +428,7 @@ class EmulatedContext(DeviceContext):
 
     # -- streams and events ----------------------------------------------------------------------
     def stream_new(self) -> object:
-        return object()
+        return _Stream()
 
     def stream_synchronize(self, stream=None) -> None:
         pass
@@ -438,6 +444,41 @@ class EmulatedContext(DeviceContext):
 
     def stream_wait_event(self, stream, event) -> None:
         pass
+
+    # -- CUDA graphs: a capture records the stream's work; a launch of the graph replays it ------
+    supports_graphs = True
+
+    def begin_capture(self, stream) -> None:
+        if not isinstance(stream, _Stream):
+            raise DriverError("the default stream cannot be captured")
+        if stream.captured is not None:
+            raise DriverError("the stream is already capturing")
+        stream.captured = []
+
+    def end_capture(self, stream) -> list:
+        if not isinstance(stream, _Stream) or stream.captured is None:
+            raise DriverError("end_capture on a stream that is not capturing")
+        graph, stream.captured = stream.captured, None
+        self.n_graphs += 1
+        return graph
+
+    def graph_launch(self, graph, stream=None) -> None:
+        if _capturing(stream):
+            raise DriverError("a graph launched into a capture")
+        for call, args in graph:
+            call(*args)
+        self.n_graph_launches += 1
+
+
+class _Stream:
+    """An emulated stream: work runs at once, except while it is being captured."""
+
+    def __init__(self):
+        self.captured: list | None = None
+
+
+def _capturing(stream) -> bool:
+    return isinstance(stream, _Stream) and stream.captured is not None
 
 
 def _aligned(array: np.ndarray) -> int:
