@@ -560,12 +560,22 @@ class KernelBuilder:
             fn = self.intrinsic("llvm.nvvm.mma.m16n8k16.row.col.f32.f32", ret, [h2] * 6 + [F32] * 4)
             d = self.b.call(fn, args)
             return [self.b.extract_value(d, i) for i in range(4)]
-        return self._host_mma(a, c, acc)
+        return self._host_mma(a, c, acc, self.h2f)
 
-    def _host_mma(self, a, c, acc):
+    def mma_bf16(self, a: list[ir.Value], c: list[ir.Value], acc: list[ir.Value]) -> list[ir.Value]:
+        """mma_f16's product with bf16 inputs (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32,
+        sm_80+): the same fragments, each i32 two bf16s (the lower one first)."""
+        self.uses_sync = True
+        if self.target == NVPTX:
+            ret = ir.LiteralStructType([F32] * 4)
+            d = self.call("llvm.nvvm.mma.m16n8k16.row.col.bf16", ret, *a, *c, *acc)
+            return [self.b.extract_value(d, i) for i in range(4)]
+        return self._host_mma(a, c, acc, self.bf2f)
+
+    def _host_mma(self, a, c, acc, widen: Callable[[ir.Value], ir.Value]):
         """The warp's mma through the exchange words: every lane publishes its fragments, then
         computes its own four outputs from the others' (PTX ISA, 'Matrix Fragments for
-        mma.m16n8k16 with floating point type')."""
+        mma.m16n8k16 with floating point type'); `widen` takes an input's 16 bits to f32."""
         b = self.b
         for i, v in enumerate((*a, *c)):
             b.store(v, self._xchg(i))
@@ -582,11 +592,11 @@ class KernelBuilder:
                 a_lane = b.add(b.mul(b.and_(row, self.i32(7)), self.i32(4)), self.i32((kk % 8) // 2))
                 a_reg = b.add(b.lshr(row, self.i32(3)), self.i32(2 * (kk >= 8)))
                 a_word = self._xchg_dynamic(a_lane, a_reg)
-                a_val = self._half_of(a_word, kk % 2)
+                a_val = widen(self._half_of(a_word, kk % 2))
                 # B[kk][col]: lane 4*col + (kk % 8) // 2, register 4 + (kk >= 8), half kk % 2
                 b_lane = b.add(b.mul(col, self.i32(4)), self.i32((kk % 8) // 2))
                 b_word = self._xchg_dynamic(b_lane, self.i32(4 + (kk >= 8)))
-                b_val = self._half_of(b_word, kk % 2)
+                b_val = widen(self._half_of(b_word, kk % 2))
                 total = self.fma(a_val, b_val, total)
             out.append(total)
         self._host_yield(SYNC_WARP)
@@ -599,9 +609,9 @@ class KernelBuilder:
         return b.load(self.at(self._rec_field(REC_XCHG, PTR), b.mul(word, self.i32(4))), typ=I32)
 
     def _half_of(self, word: ir.Value, which: int) -> ir.Value:
+        """The lower (0) or upper (1) 16 bits of an i32."""
         b = self.b
-        bits = b.trunc(b.lshr(word, self.i32(16 * which)), I16)
-        return self.h2f(bits)
+        return b.trunc(b.lshr(word, self.i32(16 * which)), I16)
 
     # -- finishing -------------------------------------------------------------------------------
     def finish(self) -> ir.Module:
