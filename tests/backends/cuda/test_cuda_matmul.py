@@ -72,7 +72,7 @@ def test_backend_ops(cuda, launched, op):
     unclaimed = [r.name for r in report.results if r.params.startswith(FLOATS) and r.status != OK]
     assert not unclaimed, f"float cases not claimed: {unclaimed}"
     paths = {"mul_mv", "mul_mm_fma", "mul_mm_mma"} if op == "mul_mat" else {"mul_mv_id"}
-    assert _names(launched) == paths
+    assert {n for n in _names(launched) if not n.startswith("mmq")} == paths  # mmq: kernels_quant's
     assert_assembles(set(launched), no_spills=True)
 
 
