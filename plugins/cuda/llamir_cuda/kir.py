@@ -115,6 +115,9 @@ class KernelBuilder:
         self.b = ir.IRBuilder(self.fn.append_basic_block("entry"))
         self.uses_sync = False
         self.shared_bytes = 0
+        # blocks per SM ptxas must allow for (.minnctapersm): 1 lets a register-heavy kernel use
+        # all 255 registers rather than spill under ptxas's occupancy heuristic; None: no bound
+        self.min_blocks_per_sm: int | None = None
         self._intrinsics: dict[str, ir.Function] = {}
         self.args: dict[str, Tensor | ir.Value] = {}
         raw = list(self.fn.args) if target == NVPTX else [self._host_arg(i, s) for i, s in enumerate(sig)]
@@ -329,6 +332,21 @@ class KernelBuilder:
             b.store(as_int, self._xchg(0))
             self._host_yield(SYNC_WARP)
             r = b.load(self._xchg(0, b.xor(self.lane(), self.i32(mask))), typ=I32)
+            self._host_yield(SYNC_WARP)
+        return b.bitcast(r, F32) if value.type == F32 else r
+
+    def shfl_idx(self, value: ir.Value, src_lane: ir.Value) -> ir.Value:
+        """__shfl_sync(0xffffffff, value, src_lane): the value of lane `src_lane` (an i32 below 32)
+        for a 32-bit int or float, the whole warp taking part (a broadcast when it is uniform)."""
+        self.uses_sync = True
+        b = self.b
+        as_int = b.bitcast(value, I32) if value.type == F32 else value
+        if self.target == NVPTX:
+            r = self.call("llvm.nvvm.shfl.sync.idx.i32", I32, self.i32(-1), as_int, src_lane, self.i32(0x1F))
+        else:
+            b.store(as_int, self._xchg(0))
+            self._host_yield(SYNC_WARP)
+            r = b.load(self._xchg(0, src_lane), typ=I32)
             self._host_yield(SYNC_WARP)
         return b.bitcast(r, F32) if value.type == F32 else r
 
@@ -622,6 +640,9 @@ class KernelBuilder:
             self.fn.attributes.add("nounwind")
             md = self.module.add_named_metadata("nvvm.annotations")
             md.add(self.module.add_metadata([self.fn, ir.MetaDataString(self.module, "maxntidx"), self.i32(n)]))
+            if self.min_blocks_per_sm is not None:
+                md.add(self.module.add_metadata([self.fn, ir.MetaDataString(self.module, "minctasm"),
+                                                 self.i32(self.min_blocks_per_sm)]))
         return self.module
 
 
