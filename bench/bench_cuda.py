@@ -1,0 +1,107 @@
+"""llamir's CUDA backend: the register/spill report of every kernel a model needs (ptxas, no GPU
+needed), and on a GPU, pp/tg against the memory-bandwidth roof and llama.cpp (CPU), in one run.
+
+    python bench/bench_cuda.py [--models smollm2-q4_1,small-q8_0] [--arch sm_90] [--bandwidth 4800]
+
+The kernel table comes from emit-ptx's recording driver: the kernels of the prompt and one-token
+graphs (flash attention on and off), each assembled by ptxas for --arch, with its registers,
+spilled bytes and static shared memory. With a usable CUDA device (NVIDIA's driver), each model
+then runs with every layer on it (`devices=["cuda"]`, n_gpu_layers=99): prompt (pp) and
+generation (tg) tokens per second, tg against its roof (the model's weight bytes read once per
+token at --bandwidth GB/s: 4800 for an H200), and llama.cpp on the CPU for scale. Without a
+device the second part prints why and is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+from pathlib import Path
+
+from bench_llvm import model_paths  # the same files bench_llvm.py writes and times
+from llamir_cuda.emit import emit_ptx
+
+from llamir.backends import get_registry
+from llamir.cli_bench import bench_llama_cpp, bench_llamir, llama_cpp_system_info
+from llamir.frontend.placement import PlacementParams
+
+MODELS = ("smollm2-q4_1", "small-q8_0", "small-q4_k")
+
+
+def kernel_report(path: Path, arch: str) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="llamir-ptx-") as out:
+        return emit_ptx(path, arch, out, check=True, n_ubatch=512)
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes one generated token reads at least: every weight (a tied output reads the token
+    embedding too, so it is counted either way)."""
+    import llamir
+
+    return llamir.load_model(path).n_bytes
+
+
+def run(models: dict[str, Path], arch: str, bandwidth: float, threads: int, n_prompt: int, n_gen: int,
+        reps: int) -> dict:
+    device = get_registry("cuda").devices()[0]
+    report = {"host": platform.processor() or platform.machine(), "arch": arch, "bandwidth_gbps": bandwidth,
+              "cuda": device.description, "unusable": device.unusable, "llama_cpp": llama_cpp_system_info(),
+              "n_prompt": n_prompt, "n_gen": n_gen, "models": {}}
+    for name, path in models.items():
+        entry = report["models"][name] = {"kernels": kernel_report(path, arch)}
+        if device.unusable:
+            continue
+        r = bench_llamir(path, backend="llvm", threads=threads, n_prompt=n_prompt, n_gen=n_gen, reps=reps,
+                         flash_attn="on", devices=["cuda"], placement=PlacementParams(n_gpu_layers=99))
+        roof = bandwidth * 1e9 / max(weight_bytes(path), 1)
+        entry["llamir-cuda"] = {"pp_tps": r.pp_tps, "tg_tps": r.tg_tps, "tg_roof_tps": roof}
+        ref = bench_llama_cpp(path, threads=threads, n_prompt=n_prompt, n_gen=n_gen, reps=reps, flash_attn="on")
+        entry["llama.cpp"] = {"pp_tps": ref.pp_tps, "tg_tps": ref.tg_tps}
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [f"CUDA device: {report['cuda']}" + (f" (not usable: {report['unusable']})" if report["unusable"] else ""),
+             f"ptxas target: {report['arch']}", ""]
+    for name, entry in report["models"].items():
+        lines += [f"{name}: {len(entry['kernels'])} kernels", "",
+                  "| kernel | block | regs | spills B | smem B |", "|---|---|---:|---:|---:|"]
+        for k in entry["kernels"]:
+            lines.append(f"| {k['kernel']} | {'x'.join(map(str, k['block']))} | {k['registers']} | "
+                         f"{k['spill_stores'] + k['spill_loads']} | {k['shared_bytes']} |")
+        lines.append("")
+        if "llamir-cuda" in entry:
+            c, ref = entry["llamir-cuda"], entry["llama.cpp"]
+            pp, tg = f"pp{report['n_prompt']}", f"tg{report['n_gen']}"
+            lines += [f"| engine | {pp} t/s | {tg} t/s | {tg} roof t/s | share of roof |", "|---|---:|---:|---:|---:|",
+                      f"| llamir-cuda | {c['pp_tps']:.1f} | {c['tg_tps']:.1f} | {c['tg_roof_tps']:.0f} | "
+                      f"{c['tg_tps'] / c['tg_roof_tps']:.1%} |",
+                      f"| llama.cpp (CPU) | {ref['pp_tps']:.1f} | {ref['tg_tps']:.1f} | | |", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="", help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--bandwidth", type=float, default=4800.0, help="the GPU's memory bandwidth in GB/s")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-prompt", type=int, default=512)
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the report here (default bench/results/bench_cuda.json)")
+    args = p.parse_args(argv)
+    selected = [m for m in args.models.split(",") if m]
+    report = run(model_paths(selected or list(MODELS)), args.arch, args.bandwidth, args.threads, args.n_prompt,
+                 args.n_gen, args.reps)
+    print(table(report))
+    out = Path(args.json) if args.json else Path(__file__).parent / "results" / "bench_cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
