@@ -29,6 +29,7 @@ from llamir_cuda import (  # noqa: F401 - each registers its kernels
     kernels_elementwise,
     kernels_matmul,
     kernels_norm,
+    kernels_rope,
 )
 from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError
 from llamir_cuda.lowering import KERNELS, Launch, Lowering, rank_ok
