@@ -9,7 +9,7 @@ import sys
 
 import llamir_cuda
 
-from llamir.backends import get_backend
+from llamir.backends import backend_from_spec, get_backend
 from llamir.cli import main
 
 
@@ -45,3 +45,9 @@ def test_an_unknown_driver_name_is_a_reason_too():
     assert "not usable" in line and "LLAMIR_CUDA_DRIVER must be one of libcuda, emulator" in line, line
 
 
+
+
+def test_backend_options_from_a_spec(cuda):
+    be = backend_from_spec("cuda:0:offload=8:graphs=off")
+    assert (be.name, be.offload_batch, be.use_graphs) == ("cuda", 8, False)
+    assert get_backend("cuda").use_graphs is True
