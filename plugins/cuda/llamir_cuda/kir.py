@@ -63,7 +63,8 @@ class Tensor:
 
 @dataclass
 class SharedArray:
-    """A block's shared-memory array of `count` elements of `ty`."""
+    """A block's shared-memory array of `count` elements of `ty` (or, made by `local`, a
+    thread's private one)."""
 
     ty: ir.Type
     count: int
@@ -233,10 +234,18 @@ class KernelBuilder:
             g.linkage = "internal"
             g.initializer = ir.Constant(arr, ir.Undefined)
             g.align = 16
-            base = self.b.bitcast(g, ir.PointerType(addrspace=SHARED))
+            g.type = ir.PointerType(addrspace=SHARED)  # opaque, as LLVM 22 prints it
+            base = g
         else:
             base = self.at(self._rec_field(REC_SHARED, PTR), self.i64(self.shared_bytes))
         self.shared_bytes += -(-size // 16) * 16
+        return SharedArray(ty, int(count), base)
+
+    def local(self, ty: ir.Type, count: int) -> SharedArray:
+        """A thread-private array (a stack slot: registers where every index is constant once
+        loops are unrolled, else local memory); sload / sstore read and write it too."""
+        with self.b.goto_entry_block():
+            base = self.b.alloca(ty, size=self.i32(count))
         return SharedArray(ty, int(count), base)
 
     def sptr(self, arr: SharedArray, index: ir.Value) -> ir.Value:
