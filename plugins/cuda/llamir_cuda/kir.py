@@ -66,7 +66,8 @@ class Tensor:
 
 @dataclass
 class SharedArray:
-    """A block's shared-memory array of `count` elements of `ty`."""
+    """A block's shared-memory array of `count` elements of `ty` (or, made by `local`, a
+    thread's private one)."""
 
     ty: ir.Type
     count: int
@@ -244,6 +245,13 @@ class KernelBuilder:
         else:
             base = self.at(self._rec_field(REC_SHARED, PTR), self.i64(self.shared_bytes))
         self.shared_bytes += -(-size // 16) * 16
+        return SharedArray(ty, int(count), base)
+
+    def local(self, ty: ir.Type, count: int) -> SharedArray:
+        """A thread-private array (a stack slot: registers where every index is constant once
+        loops are unrolled, else local memory); sload / sstore read and write it too."""
+        with self.b.goto_entry_block():
+            base = self.b.alloca(ty, size=self.i32(count))
         return SharedArray(ty, int(count), base)
 
     def sptr(self, arr: SharedArray, index: ir.Value) -> ir.Value:
