@@ -1,7 +1,8 @@
 """A CUDA device emulated on the host: the kernels' HOST builds (kir.py) run under a SIMT
 scheduler, over host memory, behind the same `DeviceContext` interface as the real driver.
 
-Every GPU thread of a block is a fiber (ucontext) with its own small stack. The scheduler
+Every GPU thread of a block is a fiber with its own small stack, switched by a few instructions
+(x86-64: the callee-saved registers pushed, the stack pointer swapped; no system call). The scheduler
 resumes each runnable thread until it yields at a barrier (it then waits for every live
 thread of the block) or at a warp exchange (a shuffle or an mma: it waits for every live lane
 of its warp), releases whoever may go on, and repeats until the block is done. Kernels without
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import threading
 
 import numpy as np
@@ -26,9 +28,16 @@ from llamir_cuda import kir
 from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError
 from llamir_cuda.kir import I8, I32, I64, PTR, VOID
 
-UCONTEXT_BYTES = 968  # sizeof(ucontext_t), glibc x86-64
-UC_LINK, UC_STACK_SP, UC_STACK_SIZE = 8, 16, 32
-REC_BYTES = kir.REC_UCONTEXT + 1024
+REC_BYTES = kir.REC_SP + 32
+
+# llamir_emu_switch(save, sp): push the callee-saved registers, store the stack pointer at *save,
+# continue on the stack `sp` (popping what its own switch pushed, returning where it was called).
+# A new fiber's stack holds six zero registers and the address of llamir_emu_fiber.
+SWITCH_ASM = (".text", ".globl llamir_emu_switch", ".type llamir_emu_switch,@function", ".p2align 4",
+              "llamir_emu_switch:", "pushq %rbp", "pushq %rbx", "pushq %r12", "pushq %r13", "pushq %r14",
+              "pushq %r15", "movq %rsp, (%rdi)", "movq %rsi, %rsp", "popq %r15", "popq %r14", "popq %r13",
+              "popq %r12", "popq %rbx", "popq %rbp", "ret", ".size llamir_emu_switch, .-llamir_emu_switch")
+SWITCH_TYPE = ir.FunctionType(VOID, [PTR, PTR])
 STACK_BYTES = 64 << 10
 RUN, DONE = 0, 3
 
@@ -43,21 +52,21 @@ def _runtime_module() -> ir.Module:
     current_entry = ir.GlobalVariable(m, PTR, "llamir_emu_current_entry")
     current_entry.initializer = ir.Constant(PTR, None)
     current_entry.linkage = "internal"
-    getcontext = ir.Function(m, ir.FunctionType(I32, [PTR]), "getcontext")
-    makecontext = ir.Function(m, ir.FunctionType(VOID, [PTR, PTR, I32], var_arg=True), "makecontext")
-    swapcontext = ir.Function(m, ir.FunctionType(I32, [PTR, PTR]), "swapcontext")
+    switch = ir.Function(m, SWITCH_TYPE, "llamir_emu_switch")
     memset = ir.Function(m, ir.FunctionType(VOID, [PTR, I8, I64, ir.IntType(1)]), "llvm.memset.p0.i64")
     entry_ty = ir.FunctionType(VOID, [PTR])
 
-    # the fiber's body: run the kernel for the current thread, then mark it done (uc_link
-    # returns to the scheduler)
+    # the fiber's body: run the kernel for the current thread, mark it done, switch back to the
+    # scheduler for good
     fiber = ir.Function(m, ir.FunctionType(VOID, []), "llamir_emu_fiber")
     fiber.linkage = "internal"
     b = ir.IRBuilder(fiber.append_basic_block())
     rec = b.load(current_rec, typ=PTR)
     b.call(_cast_fn(b, b.load(current_entry, typ=PTR), entry_ty), [rec])
     b.store(ir.Constant(I32, DONE), b.gep(rec, [ir.Constant(I64, kir.REC_STATE)], source_etype=I8))
-    b.ret_void()
+    sched_sp = b.load(b.load(b.gep(rec, [ir.Constant(I64, kir.REC_SCHED)], source_etype=I8), typ=PTR), typ=PTR)
+    b.call(switch, [b.gep(rec, [ir.Constant(I64, kir.REC_SP)], source_etype=I8), sched_sp])
+    b.unreachable()
 
     args = [PTR, PTR, PTR, PTR, PTR, PTR, PTR] + [I32] * 6 + [I64, I32]
     fn = ir.Function(m, ir.FunctionType(I32, args), "llamir_emu_launch")
@@ -101,6 +110,7 @@ def _runtime_module() -> ir.Module:
             put(r, kir.REC_XCHG, xchg)
             put(r, kir.REC_ARGS, kargs)
             put(r, kir.REC_SCHED, sched)
+            put(r, kir.REC_SWITCH, switch)
         no_fibers = b.icmp_unsigned("==", fibers, ir.Constant(I32, 0))
         with b.if_else(no_fibers) as (plain, with_fibers):
             with plain:
@@ -109,15 +119,15 @@ def _runtime_module() -> ir.Module:
             with with_fibers:
                 with loop.count(n_thr) as t:
                     r = rec_of(t)
-                    uc = b.gep(r, [ir.Constant(I64, kir.REC_UCONTEXT)], source_etype=I8)
-                    b.call(getcontext, [uc])
-                    put(uc, UC_LINK, sched)
-                    stack = b.gep(stacks, [b.mul(b.zext(t, I64), ir.Constant(I64, STACK_BYTES))], source_etype=I8)
-                    put(uc, UC_STACK_SP, stack)
-                    put(uc, UC_STACK_SP + 8, ir.Constant(I32, 0))
-                    put(uc, UC_STACK_SIZE, ir.Constant(I64, STACK_BYTES))
-                    b.call(makecontext, [uc, fiber, ir.Constant(I32, 0)])
-                status = _schedule(b, loop, n_thr, rec_of, get, put, swapcontext, sched, current_rec)
+                    top = b.gep(stacks, [b.mul(b.zext(b.add(t, ir.Constant(I32, 1)), I64),
+                                              ir.Constant(I64, STACK_BYTES))], source_etype=I8)
+                    sp = b.gep(top, [ir.Constant(I64, -64)], source_etype=I8)
+                    for slot in range(6):
+                        put(sp, 8 * slot, ir.Constant(I64, 0))
+                    put(sp, 48, fiber)
+                    put(sp, 56, ir.Constant(I64, 0))
+                    put(r, kir.REC_SP, sp)
+                status = _schedule(b, loop, n_thr, rec_of, get, put, switch, sched, current_rec)
                 failed = b.icmp_unsigned("!=", status, ir.Constant(I32, 0))
                 with b.if_then(failed):
                     b.ret(b.add(blk, ir.Constant(I32, 1)))
@@ -144,7 +154,7 @@ class _TypedCallee:
         return str(self.ptr)
 
 
-def _schedule(b, loop, n_thr, rec_of, get, put, swapcontext, sched, current_rec):
+def _schedule(b, loop, n_thr, rec_of, get, put, switch, sched, current_rec):
     """Resume runnable threads until the block is done: 0, or 1 when its live threads all wait
     and none may go on."""
     fn = b.function
@@ -157,7 +167,7 @@ def _schedule(b, loop, n_thr, rec_of, get, put, swapcontext, sched, current_rec)
         r = rec_of(t)
         with b.if_then(b.icmp_unsigned("==", get(r, kir.REC_STATE), ir.Constant(I32, RUN))):
             b.store(r, current_rec)
-            b.call(swapcontext, [sched, b.gep(r, [ir.Constant(I64, kir.REC_UCONTEXT)], source_etype=I8)])
+            b.call(switch, [sched, get(r, kir.REC_SP, PTR)])
     live, at_barrier = b.alloca(I32), b.alloca(I32)
     b.store(ir.Constant(I32, 0), live)
     b.store(ir.Constant(I32, 0), at_barrier)
@@ -249,13 +259,16 @@ def _yield_definition(module: ir.Module) -> None:
     fn = module.globals.get("llamir_emu_yield")
     if fn is None or not fn.is_declaration:
         return
-    swap = module.globals.get("swapcontext") or ir.Function(module, ir.FunctionType(I32, [PTR, PTR]), "swapcontext")
     fn.linkage = "internal"
     rec, kind = fn.args
     b = ir.IRBuilder(fn.append_basic_block())
-    b.store(kind, b.gep(rec, [ir.Constant(I64, kir.REC_STATE)], source_etype=I8))
-    sched = b.load(b.gep(rec, [ir.Constant(I64, kir.REC_SCHED)], source_etype=I8), typ=PTR)
-    b.call(swap, [b.gep(rec, [ir.Constant(I64, kir.REC_UCONTEXT)], source_etype=I8), sched])
+
+    def field(offset):
+        return b.gep(rec, [ir.Constant(I64, offset)], source_etype=I8)
+
+    b.store(kind, field(kir.REC_STATE))
+    sched_sp = b.load(b.load(field(kir.REC_SCHED), typ=PTR), typ=PTR)
+    b.call(_cast_fn(b, b.load(field(kir.REC_SWITCH), typ=PTR), SWITCH_TYPE), [field(kir.REC_SP), sched_sp])
     b.ret_void()
 
 
@@ -269,9 +282,10 @@ _LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int32, *([ctypes.c_void_p] * 7), *([ctypes.c
 def _host_machine():
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
+    llvm.initialize_native_asmparser()  # the context switch is module-level assembly
     target = llvm.Target.from_default_triple()
     return target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(),
-                                        opt=2, jit=True)
+                                        opt=1, jit=True)
 
 
 @functools.cache
@@ -282,13 +296,14 @@ def _lljit():
 _counter = iter(range(1 << 62))
 
 
-def _jit(module: ir.Module, exports: list[str]) -> tuple[object, dict[str, int]]:
+def _jit(module: ir.Module, exports: list[str], asm: tuple[str, ...] = ()) -> tuple[object, dict[str, int]]:
     machine = _host_machine()
-    ref = llvm.parse_assembly(str(module))
+    text = str(module) + "".join(f'\nmodule asm "{line}"' for line in asm)
+    ref = llvm.parse_assembly(text)
     ref.triple = llvm.get_process_triple()
     ref.data_layout = str(machine.target_data)
     ref.verify()
-    kir._optimize(ref, machine)
+    kir._optimize(ref, machine, speed_level=1)  # the emulator wants quick compiles over quick code
     obj = machine.emit_object(ref)
     with _jit_lock:
         builder = llvm.JITLibraryBuilder()
@@ -302,7 +317,9 @@ def _jit(module: ir.Module, exports: list[str]) -> tuple[object, dict[str, int]]
 
 @functools.cache
 def _runtime():
-    tracker, addrs = _jit(_runtime_module(), ["llamir_emu_launch"])
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise DriverError(f"the CUDA emulator switches fibers with x86-64 code; this host is {platform.machine()}")
+    tracker, addrs = _jit(_runtime_module(), ["llamir_emu_launch"], SWITCH_ASM)
     return tracker, _LAUNCH(addrs["llamir_emu_launch"])
 
 
@@ -398,9 +415,9 @@ class EmulatedContext(DeviceContext):
         kept per block size."""
         bufs = self._scratch.get(n_threads)
         if bufs is None or bufs[2].nbytes < shared_bytes + 16:
-            bufs = (np.zeros(n_threads * REC_BYTES, np.uint8), np.empty(n_threads * STACK_BYTES, np.uint8),
+            bufs = (np.zeros(n_threads * REC_BYTES, np.uint8), np.empty(n_threads * STACK_BYTES + 16, np.uint8),
                     np.zeros(max(shared_bytes, 48 << 10) + 16, np.uint8),
-                    np.zeros(n_threads * kir.XCHG_WORDS * 4 + 64, np.uint8), np.zeros(UCONTEXT_BYTES + 64, np.uint8))
+                    np.zeros(n_threads * kir.XCHG_WORDS * 4 + 64, np.uint8), np.zeros(64, np.uint8))
             self._scratch[n_threads] = bufs
         return bufs
 
@@ -418,7 +435,7 @@ class EmulatedContext(DeviceContext):
         _, run = _runtime()
         with self._launch_lock:
             recs, stacks, shared, xchg, sched = self._buffers(n_threads, kernel.shared_bytes)
-            status = run(address, slots.ctypes.data, recs.ctypes.data, stacks.ctypes.data,
+            status = run(address, slots.ctypes.data, recs.ctypes.data, _aligned(stacks),
                          _aligned(shared), _aligned(xchg), _aligned(sched), *map(int, grid), *map(int, block),
                          kernel.shared_bytes, int(kernel.uses_sync))
             self.n_launches += 1

@@ -47,7 +47,7 @@ WARP = 32
 REC_TID, REC_CTAID, REC_NTID, REC_NCTAID = 0, 12, 24, 36
 REC_LINEAR, REC_STATE = 48, 52
 REC_SHARED, REC_XCHG, REC_ARGS, REC_SCHED = 56, 64, 72, 80
-REC_UCONTEXT = 96
+REC_SWITCH, REC_SP = 88, 96  # the emulator's context switch, and the fiber's saved stack pointer
 XCHG_WORDS = 16  # exchange words per thread (a shuffle uses 1, an mma 10)
 SYNC_BLOCK, SYNC_WARP = 1, 2  # what a thread waits for when it yields (REC_STATE)
 
@@ -600,33 +600,54 @@ class KernelBuilder:
 
     def _host_mma(self, a, c, acc, widen: Callable[[ir.Value], ir.Value]):
         """The warp's mma through the exchange words: every lane publishes its fragments, then
-        computes its own four outputs from the others' (PTX ISA, 'Matrix Fragments for
-        mma.m16n8k16 with floating point type'); `widen` takes an input's 16 bits to f32."""
+        computes its own four outputs from the others' in a helper made once per module."""
         b = self.b
         for i, v in enumerate((*a, *c)):
             b.store(v, self._xchg(i))
         self._host_yield(SYNC_WARP)
-        lane = self.lane()
-        group, tig = b.lshr(lane, self.i32(2)), b.and_(lane, self.i32(3))
-        out = []
-        for j in range(4):  # d_j: row group + 8*(j >= 2), column 2*tig + (j & 1)
-            row = b.add(group, self.i32(8 * (j >= 2)))
-            col = b.add(b.mul(tig, self.i32(2)), self.i32(j & 1))
-            total = acc[j]
-            for kk in range(16):
-                # A[row][kk]: lane 4*(row % 8) + (kk % 8) // 2, register (row >= 8) + 2*(kk >= 8), half kk % 2
-                a_lane = b.add(b.mul(b.and_(row, self.i32(7)), self.i32(4)), self.i32((kk % 8) // 2))
-                a_reg = b.add(b.lshr(row, self.i32(3)), self.i32(2 * (kk >= 8)))
-                a_word = self._xchg_dynamic(a_lane, a_reg)
-                a_val = widen(self._half_of(a_word, kk % 2))
-                # B[kk][col]: lane 4*col + (kk % 8) // 2, register 4 + (kk >= 8), half kk % 2
-                b_lane = b.add(b.mul(col, self.i32(4)), self.i32((kk % 8) // 2))
-                b_word = self._xchg_dynamic(b_lane, self.i32(4 + (kk >= 8)))
-                b_val = widen(self._half_of(b_word, kk % 2))
-                total = self.fma(a_val, b_val, total)
-            out.append(total)
+        out = self.var(ir.ArrayType(F32, 4))
+        b.call(self._host_mma_helper(widen), [self.rec, *acc, out])
+        result = [b.load(b.gep(out, [self.i64(0), self.i32(j)], source_etype=ir.ArrayType(F32, 4)), typ=F32)
+                  for j in range(4)]
         self._host_yield(SYNC_WARP)
-        return out
+        return result
+
+    def _host_mma_helper(self, widen: Callable[[ir.Value], ir.Value]) -> ir.Function:
+        """llamir_emu_mma_<kind>(rec, c0..c3, out): this lane's four outputs of the warp's m16n8k16
+        product from the fragments in the exchange words (PTX ISA, 'Matrix Fragments for
+        mma.m16n8k16 with floating point type'); `widen` takes an input's 16 bits to f32."""
+        name = f"llamir_emu_mma_{widen.__name__}"
+        fn = self.module.globals.get(name)
+        if fn is not None:
+            return fn
+        fn = ir.Function(self.module, ir.FunctionType(VOID, [PTR, F32, F32, F32, F32, PTR]), name)
+        fn.linkage = "internal"
+        fn.attributes.add("noinline")
+        saved = self.fn, self.b
+        self.fn, self.b = fn, ir.IRBuilder(fn.append_basic_block())
+        try:
+            b = self.b
+            lane = self.lane()
+            group, tig = b.lshr(lane, self.i32(2)), b.and_(lane, self.i32(3))
+            for j in range(4):  # d_j: row group + 8*(j >= 2), column 2*tig + (j & 1)
+                row = b.add(group, self.i32(8 * (j >= 2)))
+                col = b.add(b.mul(tig, self.i32(2)), self.i32(j & 1))
+                total = fn.args[1 + j]
+                for kk in range(16):
+                    # A[row][kk]: lane 4*(row % 8) + (kk % 8) // 2, register (row >= 8) + 2*(kk >= 8),
+                    # half kk % 2
+                    a_lane = b.add(b.mul(b.and_(row, self.i32(7)), self.i32(4)), self.i32((kk % 8) // 2))
+                    a_reg = b.add(b.lshr(row, self.i32(3)), self.i32(2 * (kk >= 8)))
+                    a_val = widen(self._half_of(self._xchg_dynamic(a_lane, a_reg), kk % 2))
+                    # B[kk][col]: lane 4*col + (kk % 8) // 2, register 4 + (kk >= 8), half kk % 2
+                    b_lane = b.add(b.mul(col, self.i32(4)), self.i32((kk % 8) // 2))
+                    b_val = widen(self._half_of(self._xchg_dynamic(b_lane, self.i32(4 + (kk >= 8))), kk % 2))
+                    total = self.fma(a_val, b_val, total)
+                b.store(total, b.gep(fn.args[5], [self.i64(4 * j)], source_etype=I8))
+            b.ret_void()
+        finally:
+            self.fn, self.b = saved
+        return fn
 
     def _xchg_dynamic(self, lane: ir.Value, slot: ir.Value) -> ir.Value:
         b = self.b
@@ -804,8 +825,8 @@ def ptx_of(kernel: Kernel, arch: str) -> str:
     return text
 
 
-def _optimize(ref, machine) -> None:
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+def _optimize(ref, machine, speed_level: int = 3) -> None:
+    pto = llvm.create_pipeline_tuning_options(speed_level=speed_level)
     pto.loop_unrolling = True
     pto.slp_vectorization = True
     pto.loop_vectorization = True
