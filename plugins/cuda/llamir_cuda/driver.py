@@ -142,3 +142,26 @@ class DeviceContext(abc.ABC):
 
     def graph_free(self, graph) -> None:  # noqa: B027 - nothing to release without graphs
         pass
+
+
+class ImmediateStreams:
+    """Streams and events of a context whose copies and launches complete when called (the
+    emulator, the recorder): everything is already in order, so there is nothing to wait for."""
+
+    def stream_new(self) -> object:
+        return object()
+
+    def stream_synchronize(self, stream=None) -> None:
+        pass
+
+    def event_new(self) -> object:
+        return object()
+
+    def event_record(self, event, stream=None) -> None:
+        pass
+
+    def event_synchronize(self, event) -> None:
+        pass
+
+    def stream_wait_event(self, stream, event) -> None:
+        pass

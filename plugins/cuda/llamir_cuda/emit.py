@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from llamir_cuda import kir
-from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError
+from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError, ImmediateStreams
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
 
@@ -42,7 +42,7 @@ class RecordingDriver(Driver):
 
 
 @dataclass
-class RecordingContext(DeviceContext):
+class RecordingContext(ImmediateStreams, DeviceContext):
     info: DeviceInfo
     kernels: dict[tuple, kir.Kernel] = field(default_factory=dict)
     launches: list[tuple[str, tuple]] = field(default_factory=list)
@@ -81,23 +81,6 @@ class RecordingContext(DeviceContext):
             raise DriverError(f"{function.name} takes {len(function.params)} arguments, got {len(args)}")
         self.launches.append((function.name, tuple(grid)))
 
-    def stream_new(self) -> object:
-        return object()
-
-    def stream_synchronize(self, stream=None) -> None:
-        pass
-
-    def event_new(self) -> object:
-        return object()
-
-    def event_record(self, event, stream=None) -> None:
-        pass
-
-    def event_synchronize(self, event) -> None:
-        pass
-
-    def stream_wait_event(self, stream, event) -> None:
-        pass
 
 
 def model_kernels(model_path: str | Path, arch: str = "sm_90", n_ubatch: int = 512,

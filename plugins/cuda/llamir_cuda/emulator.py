@@ -25,7 +25,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 
 from llamir_cuda import kir
-from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError
+from llamir_cuda.driver import DeviceContext, DeviceInfo, Driver, DriverError, ImmediateStreams
 from llamir_cuda.kir import I8, I32, I64, PTR, VOID
 
 REC_BYTES = kir.REC_SP + 32
@@ -359,7 +359,7 @@ def shared_emulator() -> Emulator:
     return Emulator()
 
 
-class EmulatedContext(DeviceContext):
+class EmulatedContext(ImmediateStreams, DeviceContext):
     """Device memory is host memory; copies and launches run at once, so streams and events are
     already in order."""
 
@@ -446,21 +446,6 @@ class EmulatedContext(DeviceContext):
     # -- streams and events ----------------------------------------------------------------------
     def stream_new(self) -> object:
         return _Stream()
-
-    def stream_synchronize(self, stream=None) -> None:
-        pass
-
-    def event_new(self) -> object:
-        return object()
-
-    def event_record(self, event, stream=None) -> None:
-        pass
-
-    def event_synchronize(self, event) -> None:
-        pass
-
-    def stream_wait_event(self, stream, event) -> None:
-        pass
 
     # -- CUDA graphs: a capture records the stream's work; a launch of the graph replays it ------
     supports_graphs = True
