@@ -188,7 +188,8 @@ class CudaBackend(Backend):
         self.use_graphs = graphs
         self._sequences: OrderedDict[tuple, _Sequence] = OrderedDict()
         self._scratch: Buffer | None = None
-        self._staging: list[np.ndarray] = []  # pinned host copies in flight on the stream
+        self._arena: np.ndarray | None = None  # pinned staging for host -> device copies
+        self._arena_used = 0
         self.n_lowered = 0
 
     # -- support ------------------------------------------------------------------------------------
@@ -272,17 +273,31 @@ class CudaBackend(Backend):
 
     # -- copies and synchronization ---------------------------------------------------------------
     def set_tensor_async(self, dst: TensorData, data: np.ndarray) -> None:
-        """Host -> device on the stream, from a pinned copy of `data` (kept until synchronize)."""
+        """Host -> device on the stream, from a copy of `data` in the backend's pinned staging
+        arena (reused from its start after each synchronize)."""
         if not isinstance(dst.buffer, CudaBuffer):
             return super().set_tensor_async(dst, data)
         data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         dst.buffer.check_range(dst.offset, data.nbytes)
-        staging = self.ctx.alloc_host(data.nbytes)
+        staging = self._stage(data.nbytes)
         staging[:] = data
-        self._staging.append(staging)
         self.ctx.memcpy_htod_async(dst.buffer.device_ptr + dst.offset, staging, self.stream)
         self.stats.bytes_in += int(data.nbytes)
         self.stats.n_copies_in += 1
+
+    def _stage(self, nbytes: int) -> np.ndarray:
+        """`nbytes` of the pinned arena not used by a copy still in flight: when it is full, the
+        stream is drained first; when too small, it is replaced by one twice the size."""
+        if self._arena_used + nbytes > (self._arena.nbytes if self._arena is not None else 0):
+            self.synchronize()
+            if self._arena is None or self._arena.nbytes < nbytes:
+                if self._arena is not None:
+                    self.ctx.free_host(self._arena)
+                size = max(STAGING_MIN, 2 * (self._arena.nbytes if self._arena is not None else 0), nbytes)
+                self._arena = self.ctx.alloc_host(size)
+        start = self._arena_used
+        self._arena_used += -(-nbytes // 256) * 256
+        return self._arena[start:start + nbytes]
 
     def get_tensor_async(self, src: TensorData) -> np.ndarray:
         if not isinstance(src.buffer, CudaBuffer):
@@ -310,9 +325,7 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         super().synchronize()
         self.ctx.stream_synchronize(self.stream)
-        for staging in self._staging:
-            self.ctx.free_host(staging)
-        self._staging.clear()
+        self._arena_used = 0  # every staged copy has landed
 
     def event_new(self) -> Event | None:
         return CudaEvent(self)
@@ -322,3 +335,6 @@ class CudaBackend(Backend):
         for seq in self._sequences.values():
             seq.free()
         self._sequences.clear()
+        if self._arena is not None:
+            self.ctx.free_host(self._arena)
+            self._arena = None

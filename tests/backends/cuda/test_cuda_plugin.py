@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import llamir_cuda
+import numpy as np
 
 from llamir.backends import backend_from_spec, get_backend
 from llamir.cli import main
@@ -51,3 +52,21 @@ def test_backend_options_from_a_spec(cuda):
     be = backend_from_spec("cuda:0:offload=8:graphs=off")
     assert (be.name, be.offload_batch, be.use_graphs) == ("cuda", 8, False)
     assert get_backend("cuda").use_graphs is True
+
+
+def test_async_copies_through_the_pinned_arena(cuda):
+    """Host -> device copies staged in the backend's pinned arena: more than it holds (it drains
+    the stream and reuses itself) and more than one copy at once (it grows); all land."""
+    from llamir.backends import TensorData
+
+    rng = np.random.default_rng(0)
+    buf = cuda.device.buffer_type().alloc_buffer(8 << 20)
+    chunks = [rng.integers(0, 255, n, dtype=np.uint8) for n in (700_000, 700_000, 3_000_000, 5, 1_500_000)]
+    offset = 0
+    for chunk in chunks:
+        td = TensorData(buf, offset, (chunk.size,), np.dtype(np.uint8), (1,), chunk.size)
+        cuda.set_tensor_async(td, chunk)
+        offset += chunk.size
+    cuda.synchronize()
+    np.testing.assert_array_equal(buf.get_bytes(0, offset), np.concatenate(chunks))
+    assert cuda._arena.nbytes >= 3_000_000
