@@ -10,8 +10,9 @@ from llamir.context import Batch, BatchError, Context, ContextParams, ContextPar
 from llamir.context.state_io import StateError
 from llamir.frontend.adapter import AdapterError, LoraAdapter, load_adapter_lora
 from llamir.frontend.model import Model, ModelError, load_model
+from llamir.frontend.placement import PlacementParams
 
 __version__ = "0.1.0"
 __all__ = ["AdapterError", "Batch", "BatchError", "Context", "ContextParams", "ContextParamsError", "LoraAdapter",
-           "Model", "ModelError", "OutputError", "SeqOpError", "StateError", "load_adapter_lora", "load_model",
-           "__version__"]
+           "Model", "ModelError", "OutputError", "PlacementParams", "SeqOpError", "StateError", "load_adapter_lora",
+           "load_model", "__version__"]

@@ -87,7 +87,6 @@ def model_kernels(model_path: str | Path, arch: str = "sm_90", n_ubatch: int = 5
                   flash_attn: tuple[str, ...] = ("on", "off")) -> list[kir.Kernel]:
     """The kernels of `model_path`'s decode graphs on one `arch` device holding every layer."""
     import llamir
-    from llamir.frontend.placement import PlacementParams
     from llamir_cuda.backend import CudaBackend, CudaDevice
 
     model = llamir.load_model(model_path)
@@ -96,7 +95,7 @@ def model_kernels(model_path: str | Path, arch: str = "sm_90", n_ubatch: int = 5
     for fa in flash_attn:
         backend = CudaBackend(CudaDevice(driver, driver.info))
         ctx = llamir.Context(model, n_ctx=2 * n_ubatch, n_batch=n_ubatch, n_ubatch=n_ubatch, flash_attn=fa,
-                             devices=[backend], placement=PlacementParams(n_gpu_layers=-1))
+                             devices=[backend], placement=llamir.PlacementParams(n_gpu_layers=-1))
         vocab = model.hparams.n_vocab
         prompt = [int(t) % vocab for t in range(1, n_ubatch + 1)]
         for batch in (llamir.Batch.from_tokens(prompt), llamir.Batch.from_tokens([1], pos0=n_ubatch)):
