@@ -15,6 +15,7 @@ Blocks run one after another, so the emulator is slow and deterministic: for tes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import platform
@@ -62,7 +63,7 @@ def _runtime_module() -> ir.Module:
     fiber.linkage = "internal"
     b = ir.IRBuilder(fiber.append_basic_block())
     rec = b.load(current_rec, typ=PTR)
-    b.call(_cast_fn(b, b.load(current_entry, typ=PTR), entry_ty), [rec])
+    b.call(_cast_fn(b.load(current_entry, typ=PTR), entry_ty), [rec])
     b.store(ir.Constant(I32, DONE), b.gep(rec, [ir.Constant(I64, kir.REC_STATE)], source_etype=I8))
     sched_sp = b.load(b.load(b.gep(rec, [ir.Constant(I64, kir.REC_SCHED)], source_etype=I8), typ=PTR), typ=PTR)
     b.call(switch, [b.gep(rec, [ir.Constant(I64, kir.REC_SP)], source_etype=I8), sched_sp])
@@ -75,9 +76,6 @@ def _runtime_module() -> ir.Module:
     b.store(entry, current_entry)
     n_thr = b.mul(b.mul(bx, by), bz)
     n_blk = b.mul(b.mul(gx, gy), gz)
-
-    def field(r, offset, ty=I32):
-        return b.gep(r, [ir.Constant(I64, offset)], source_etype=I8), ty
 
     def put(r, offset, value):
         b.store(value, b.gep(r, [ir.Constant(I64, offset)], source_etype=I8))
@@ -115,7 +113,7 @@ def _runtime_module() -> ir.Module:
         with b.if_else(no_fibers) as (plain, with_fibers):
             with plain:
                 with loop.count(n_thr) as t:
-                    b.call(_cast_fn(b, entry, entry_ty), [rec_of(t)])
+                    b.call(_cast_fn(entry, entry_ty), [rec_of(t)])
             with with_fibers:
                 with loop.count(n_thr) as t:
                     r = rec_of(t)
@@ -135,7 +133,7 @@ def _runtime_module() -> ir.Module:
     return m
 
 
-def _cast_fn(b, ptr, fnty):
+def _cast_fn(ptr, fnty):
     """A call target from an opaque pointer (typed by the call's function type)."""
     return _TypedCallee(ptr, fnty)
 
@@ -232,8 +230,6 @@ class _Loops:
         return self.range(ir.Constant(I32, 0), n)
 
     def range(self, lo, hi):
-        import contextlib
-
         @contextlib.contextmanager
         def gen():
             b = self.b
@@ -268,7 +264,7 @@ def _yield_definition(module: ir.Module) -> None:
 
     b.store(kind, field(kir.REC_STATE))
     sched_sp = b.load(b.load(field(kir.REC_SCHED), typ=PTR), typ=PTR)
-    b.call(_cast_fn(b, b.load(field(kir.REC_SWITCH), typ=PTR), SWITCH_TYPE), [field(kir.REC_SP), sched_sp])
+    b.call(_cast_fn(b.load(field(kir.REC_SWITCH), typ=PTR), SWITCH_TYPE), [field(kir.REC_SP), sched_sp])
     b.ret_void()
 
 
