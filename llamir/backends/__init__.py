@@ -20,7 +20,7 @@ from llamir.backends.base import (
     cpu_device,
     op_batch_size,
 )
-from llamir.backends.device_graph import DeviceGraph
+from llamir.backends.device_graph import DeviceGraph, split_work
 from llamir.backends.registry import (
     BackendReg,
     Option,
@@ -66,4 +66,5 @@ __all__ = [
     "op_batch_size",
     "parse_bool",
     "register_backend",
+    "split_work",
 ]

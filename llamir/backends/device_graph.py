@@ -21,6 +21,13 @@ Work = list[tuple[Node, list[TensorData], TensorData]]
 Run = Callable[[Work, Callable | None, Callable[[Node], np.ndarray]], bool]
 
 
+def split_work(run, memory) -> Work:
+    """The work list of one scheduled split (`graph_compute`'s run and memory): each node that
+    computes (views only alias), with its input tensors and its own."""
+    return [(node, [memory.tensor(ref) for ref in run.inputs_of(node)], memory.tensor(node))
+            for node in run.nodes if not node.op.is_view]
+
+
 class DeviceGraph:
     """`graph` on `backend`'s device; call it with the leaves' values (by name) and dim bindings."""
 

@@ -22,6 +22,7 @@ from llamir.backends import (
     Event,
     TensorData,
     op_batch_size,
+    split_work,
 )
 from llamir.ir import ops
 from llamir_cuda import (  # noqa: F401 - each registers its kernels
@@ -259,9 +260,7 @@ class CudaBackend(Backend):
 
     def graph_compute(self, run, memory, observe=None) -> bool:
         self.stats.n_graph_computes += 1
-        work = [(node, [memory.tensor(ref) for ref in run.inputs_of(node)], memory.tensor(node))
-                for node in run.nodes if not node.op.is_view]
-        return self.run(work, observe, lambda node: memory.read(self, node))
+        return self.run(split_work(run, memory), observe, lambda node: memory.read(self, node))
 
     def compile(self, graph):
         return DeviceGraph(self, graph, self._run_synchronously)

@@ -20,6 +20,7 @@ from llamir.backends import (
     DeviceType,
     TensorData,
     op_batch_size,
+    split_work,
 )
 from llamir.ir import ops
 from llamir_vulkan import (  # noqa: F401 - each registers its kernels
@@ -213,9 +214,7 @@ class VulkanBackend(Backend):
 
     def graph_compute(self, run, memory, observe=None) -> bool:
         self.stats.n_graph_computes += 1
-        work = [(node, [memory.tensor(ref) for ref in run.inputs_of(node)], memory.tensor(node))
-                for node in run.nodes if not node.op.is_view]
-        return self.run(work, observe, lambda node: memory.read(self, node))
+        return self.run(split_work(run, memory), observe, lambda node: memory.read(self, node))
 
     def compile(self, graph):
         """A whole graph (test-backend-ops): leaves copied into device buffers, every node run
