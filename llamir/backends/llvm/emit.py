@@ -36,11 +36,6 @@ def _tname(t: ir.Type) -> str:
     return {"float": "f32", "double": "f64", "half": "f16"}[str(t)]
 
 
-# How far ahead of its reads a kernel streaming weights (token generation reads each weight once,
-# from DRAM when they exceed the L3) prefetches: about what one core reads in a DRAM latency. The
-# hardware prefetchers alone left two threads at 58-80% of the read bandwidth on the 1B models;
-# 1-2 KiB ahead measured best (large-q4_0 on Emerald Rapids: 28.8 -> 21.4 ms a token).
-PREFETCH_AHEAD = 1024
 
 
 class Emitter:
@@ -80,12 +75,14 @@ class Emitter:
                                                            ir.Constant(i32, 3 if into_l1 else 2), ir.Constant(i32, 1)])
 
     def prefetch_ahead(self, ptr: ir.Value, n_bytes: int, offset: Val = 0) -> None:
-        """Prefetch the n_bytes a weight stream reads PREFETCH_AHEAD bytes after those at ptr +
-        offset, into L1; called once per step of a loop that reads n_bytes a step. A step longer
-        than that (a K-quant super-block) prefetches the next step into L2: a whole step's lines
-        at once into L1 would hold up the loads behind the line-fill buffers (q6_k: 10% slower)."""
-        near = n_bytes <= PREFETCH_AHEAD
-        ahead = PREFETCH_AHEAD if near else n_bytes
+        """Prefetch the n_bytes a weight stream reads the target's prefetch distance after those
+        at ptr + offset, into L1; called once per step of a loop that reads n_bytes a step. A step
+        longer than that (a K-quant super-block) prefetches the next step into L2: a whole step's
+        lines at once into L1 would hold up the loads behind the line-fill buffers (q6_k on
+        Emerald Rapids: 10% slower)."""
+        distance = self.target.prefetch_distance
+        near = n_bytes <= distance
+        ahead = distance if near else n_bytes
         for line in range(0, n_bytes, 64):
             self.prefetch(ptr, self.add(offset, ahead + line), into_l1=near)
 

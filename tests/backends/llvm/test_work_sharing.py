@@ -12,14 +12,23 @@ from shared_backends import shared_backend
 
 from llamir.backends.llvm import LLVMBackend
 from llamir.backends.llvm.codegen import FrameLayout
-from llamir.backends.llvm.target import host_target, restricted_target
+from llamir.backends.llvm.target import Target, host_target, restricted_target
 from llamir.ir import F16, F32, GraphBuilder, dtype_named, quants, run_graph
 
 pytestmark = pytest.mark.slow
 f32 = np.float32
 
 
-def backend(n_threads: int, avx2_only: bool) -> LLVMBackend:
+def other_family_target() -> Target:
+    """The host's features tuned for the other CPU family (AMD Zen on Intel, Intel on Zen): the
+    weight streams get that family's prefetch distance, so both distances run on any host."""
+    host = host_target()
+    return Target(host.triple, "sapphirerapids" if host.cpu.startswith("znver") else "znver4", host.features)
+
+
+def backend(n_threads: int, avx2_only: bool | str) -> LLVMBackend:
+    if avx2_only == "other-family":
+        return shared_backend(None, other_family_target(), n_threads)
     if avx2_only:
         return shared_backend("avx2", restricted_target(host_target(), ("avx512", "avxvnni")), n_threads)
     return shared_backend(n_threads=n_threads)
@@ -32,8 +41,19 @@ def _weight(rng, name: str, m: int, k: int) -> np.ndarray:
     return quants.quantize(w, dtype_named(name))
 
 
-@pytest.mark.parametrize("avx2_only", [False, True], ids=["host", "avx2-only"])
-@pytest.mark.parametrize("n_threads", [1, 3, 4])
+def test_the_prefetch_distance_follows_the_cpu_family():
+    host, other = host_target(), other_family_target()
+    assert {host.prefetch_distance, other.prefetch_distance} == {1024, 4096}
+    assert restricted_target(other, ("avx512",)).prefetch_distance == 1024     # x86-64-v3: no family
+
+
+# the other family's prefetch distance at one thread count
+CASES = [(n, target) for target in (False, True) for n in (1, 3, 4)] + [(3, "other-family")]
+LABELS = {False: "host", True: "avx2-only"}
+
+
+@pytest.mark.parametrize(("n_threads", "avx2_only"), CASES,
+                         ids=[f"{n}-{LABELS.get(t, t)}" for n, t in CASES])
 @pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_k", "q6_k", "f16"])
 def test_claimed_chunks_cover_every_row_once(n_threads, avx2_only, name):
     rng = np.random.default_rng(3)
