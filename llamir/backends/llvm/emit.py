@@ -36,8 +36,6 @@ def _tname(t: ir.Type) -> str:
     return {"float": "f32", "double": "f64", "half": "f16"}[str(t)]
 
 
-
-
 class Emitter:
     """Builds one function's body."""
 
