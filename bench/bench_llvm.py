@@ -11,8 +11,9 @@ shape) and jamba-q8_0 (hybrid).
 Each engine runs pp128, pp512 and tg128 with the same thread count, timed the same way (llamir.cli_bench:
 median of the prompt runs, generation rate from the median token). Also reported: the memory
 bandwidth measured here and the token-generation roofline it implies (weight bytes per token /
-bandwidth), llamir's compile times (cold: empty code cache; warm: from the disk cache) and where a
-generated token's time goes (kernels, barriers, Python).
+bandwidth, with the bandwidth measured again before each tg round, beside the row: the highest
+of those, since the best rounds are reported), llamir's compile times (cold: empty code cache;
+warm: from the disk cache) and where a generated token's time goes (kernels, barriers, Python).
 
 `--isa avx2` emulates an AVX2-only machine on an AVX-512 host: llamir generates code without
 AVX-512/AVX-VNNI with the avx2 numerics profile, and llama.cpp runs from an AVX2-only build
@@ -170,13 +171,14 @@ def run(models: dict[str, Path], threads: int, reps: int, rounds: int, isa: str 
                           "load_average": os.getloadavg()},
               "isa": isa_report(isa, threads, build), "models": {}}
     for name, path in models.items():
-        entry = {"file": str(path), "weight_bytes_per_token": weight_bytes_per_token(path)}
-        entry["roofline_tg_tps"] = bandwidth / entry["weight_bytes_per_token"]
+        entry = {"file": str(path), "weight_bytes_per_token": weight_bytes_per_token(path), "tg_bandwidth_GBps": []}
         entry["compile_s"] = compile_times(path, threads, isa)
         for label, n_prompt, n_gen in TESTS:
             key = "pp_tps" if label.startswith("pp") else "tg_tps"
             runs: dict[str, list[BenchResult]] = {"llamir": [], "llama.cpp": []}
             for _ in range(rounds):   # alternating, so that a slow spell of the machine hits both
+                if n_gen:   # the bandwidth drifts with the machine's neighbours: measured beside each tg round
+                    entry["tg_bandwidth_GBps"].append(memory_bandwidth(threads, buffer)[0] / 1e9)
                 runs["llamir"].append(bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps, isa=isa))
                 runs["llama.cpp"].append(bench_llama_cpp(path, threads, n_prompt, n_gen, reps, build=build))
             entry[label] = {}
@@ -184,6 +186,9 @@ def run(models: dict[str, Path], threads: int, reps: int, rounds: int, isa: str 
                 best = max(results, key=lambda r: getattr(r, key))
                 entry[label][engine] = best.as_dict() | {"rounds_" + key: [getattr(r, key) for r in results]}
             _progress(name, label, entry[label], key)
+        # the best rounds are reported, so the roofline takes the best bandwidth measured beside them
+        entry["roofline_tg_tps"] = max(entry["tg_bandwidth_GBps"], default=bandwidth / 1e9) * 1e9 / \
+            entry["weight_bytes_per_token"]
         report["models"][name] = entry
     return report
 
@@ -214,6 +219,7 @@ def table(report: dict) -> str:
             if label.startswith("tg"):
                 roof = entry["roofline_tg_tps"]
                 row += f"   {roof:11.1f} {100 * ours / roof:7.0f}% {100 * theirs / roof:10.0f}%"
+                row += "  at " + "/".join(f"{gbps:.1f}" for gbps in entry.get("tg_bandwidth_GBps", ())) + " GB/s"
             lines.append(row)
     lines += ["", f"compile (s, new Context to the first token's logits, isa {isa['isa']}); in brackets the "
               "backend's compile alone, wall and CPU (this process + compile workers):",

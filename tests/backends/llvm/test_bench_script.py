@@ -30,6 +30,8 @@ def test_bench_rounds_and_table(tmp_path):
             result = entry[label][engine]
             assert len(result["rounds_" + key]) == 2
             assert result[key] == max(result["rounds_" + key]) > 0
+    bandwidths = entry["tg_bandwidth_GBps"]     # measured again before each tg round; the best one is the roof
+    assert len(bandwidths) == 2 and entry["roofline_tg_tps"] == max(bandwidths) * 1e9 / entry["weight_bytes_per_token"]
     compile_s = entry["compile_s"]
     assert entry["weight_bytes_per_token"] > 0 and min(compile_s["cold"], compile_s["warm"], compile_s["disk"]) > 0
     assert "miss" in compile_s["cold_detail"][0]["cache"]        # cold starts from an empty cache dir
