@@ -187,8 +187,7 @@ def run(models: dict[str, Path], threads: int, reps: int, rounds: int, isa: str 
                 entry[label][engine] = best.as_dict() | {"rounds_" + key: [getattr(r, key) for r in results]}
             _progress(name, label, entry[label], key)
         # the best rounds are reported, so the roofline takes the best bandwidth measured beside them
-        entry["roofline_tg_tps"] = max(entry["tg_bandwidth_GBps"], default=bandwidth / 1e9) * 1e9 / \
-            entry["weight_bytes_per_token"]
+        entry["roofline_tg_tps"] = max(entry["tg_bandwidth_GBps"]) * 1e9 / entry["weight_bytes_per_token"]
         report["models"][name] = entry
     return report
 
@@ -219,7 +218,7 @@ def table(report: dict) -> str:
             if label.startswith("tg"):
                 roof = entry["roofline_tg_tps"]
                 row += f"   {roof:11.1f} {100 * ours / roof:7.0f}% {100 * theirs / roof:10.0f}%"
-                row += "  at " + "/".join(f"{gbps:.1f}" for gbps in entry.get("tg_bandwidth_GBps", ())) + " GB/s"
+                row += "  at " + "/".join(f"{gbps:.1f}" for gbps in entry["tg_bandwidth_GBps"]) + " GB/s"
             lines.append(row)
     lines += ["", f"compile (s, new Context to the first token's logits, isa {isa['isa']}); in brackets the "
               "backend's compile alone, wall and CPU (this process + compile workers):",

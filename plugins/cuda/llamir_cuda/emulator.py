@@ -63,7 +63,7 @@ def _runtime_module() -> ir.Module:
     fiber.linkage = "internal"
     b = ir.IRBuilder(fiber.append_basic_block())
     rec = b.load(current_rec, typ=PTR)
-    b.call(_cast_fn(b.load(current_entry, typ=PTR), entry_ty), [rec])
+    b.call(_TypedCallee(b.load(current_entry, typ=PTR), entry_ty), [rec])
     b.store(ir.Constant(I32, DONE), b.gep(rec, [ir.Constant(I64, kir.REC_STATE)], source_etype=I8))
     sched_sp = b.load(b.load(b.gep(rec, [ir.Constant(I64, kir.REC_SCHED)], source_etype=I8), typ=PTR), typ=PTR)
     b.call(switch, [b.gep(rec, [ir.Constant(I64, kir.REC_SP)], source_etype=I8), sched_sp])
@@ -113,7 +113,7 @@ def _runtime_module() -> ir.Module:
         with b.if_else(no_fibers) as (plain, with_fibers):
             with plain:
                 with loop.count(n_thr) as t:
-                    b.call(_cast_fn(entry, entry_ty), [rec_of(t)])
+                    b.call(_TypedCallee(entry, entry_ty), [rec_of(t)])
             with with_fibers:
                 with loop.count(n_thr) as t:
                     r = rec_of(t)
@@ -133,13 +133,9 @@ def _runtime_module() -> ir.Module:
     return m
 
 
-def _cast_fn(ptr, fnty):
-    """A call target from an opaque pointer (typed by the call's function type)."""
-    return _TypedCallee(ptr, fnty)
-
-
 class _TypedCallee:
-    """An opaque function pointer llvmlite can call: it reads `.type` and `.function_type`."""
+    """A call target from an opaque function pointer, typed by the call's function type
+    (llvmlite's call reads `.type` and `.function_type`)."""
 
     def __init__(self, ptr, fnty):
         self.ptr, self.function_type = ptr, fnty
@@ -264,7 +260,7 @@ def _yield_definition(module: ir.Module) -> None:
 
     b.store(kind, field(kir.REC_STATE))
     sched_sp = b.load(b.load(field(kir.REC_SCHED), typ=PTR), typ=PTR)
-    b.call(_cast_fn(b.load(field(kir.REC_SWITCH), typ=PTR), SWITCH_TYPE), [field(kir.REC_SP), sched_sp])
+    b.call(_TypedCallee(b.load(field(kir.REC_SWITCH), typ=PTR), SWITCH_TYPE), [field(kir.REC_SP), sched_sp])
     b.ret_void()
 
 
