@@ -12,7 +12,7 @@ from shared_backends import shared_backend
 
 from llamir.backends.llvm import LLVMBackend
 from llamir.backends.llvm.codegen import FrameLayout
-from llamir.backends.llvm.target import Target, host_target, restricted_target
+from llamir.backends.llvm.target import Target, avx2_only_target, host_target, restricted_target
 from llamir.ir import F16, F32, GraphBuilder, dtype_named, quants, run_graph
 
 pytestmark = pytest.mark.slow
@@ -45,6 +45,8 @@ def test_the_prefetch_distance_follows_the_cpu_family():
     host, other = host_target(), other_family_target()
     assert {host.prefetch_distance, other.prefetch_distance} == {1024, 4096}
     assert restricted_target(other, ("avx512",)).prefetch_distance == 1024     # x86-64-v3: no family
+    zen3 = avx2_only_target(other)                                              # the emulated Zen 3
+    assert zen3.cpu == "znver3" and zen3.prefetch_distance == 4096 and not zen3.avx512
 
 
 # the other family's prefetch distance at one thread count
