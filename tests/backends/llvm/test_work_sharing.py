@@ -54,7 +54,7 @@ CASES = [(n, target) for target in ("host", "avx2-only") for n in (1, 3, 4)] + [
 
 
 @pytest.mark.parametrize(("n_threads", "target"), CASES)
-@pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_k", "q6_k", "f16"])
+@pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_1", "q4_k", "q6_k", "f16"])
 def test_claimed_chunks_cover_every_row_once(n_threads, target, name):
     rng = np.random.default_rng(3)
     k = 256

@@ -63,16 +63,28 @@ class MatMulQ(Kernel):
         return (self.fmt, self.K, self.rn)
 
     def emit(self, em: Emitter, a) -> None:
+        if em.target.vnni512:
+            self._sweep(em, a, self.rn, self._tile)
+        elif self.fmt.packing == "pairs":
+            emit_pairs(self.fmt, self.K, em, a)
+        elif self.fmt.order == "lanes8":
+            # one token (generation): both halves in one pass, the weights streamed once; prompts
+            # take them in turn (see tile_256)
+            tile = functools.partial(tile_256, self.fmt, self.K)
+            with em.if_else(em.icmp("==", a.ints[0], 1)) as (then, otherwise):
+                with then:
+                    self._sweep(em, a, 1, functools.partial(tile, one_pass=True))
+                with otherwise:
+                    self._sweep(em, a, tile_tokens_256(self.fmt), tile)
+        else:
+            self._sweep(em, a, tile_tokens_256(self.fmt), functools.partial(tile_256, self.fmt, self.K))
+
+    def _sweep(self, em: Emitter, a, rn: int, tile) -> None:
+        """Each thread's groups (16 weight rows) against tiles of rn tokens, in L2-sized blocks."""
         N, M = a.ints
         y_ptr, w_ptr, x_ptr = a.ptrs
         nb, _, _, _, row_bytes = act_layout(self.fmt, self.K)
-        wide = em.target.vnni512
-        if not wide and self.fmt.packing == "pairs":
-            emit_pairs(self.fmt, self.K, em, a)
-            return
         groups = em.cdiv(M, G)
-        rn = self.rn if wide else tile_tokens_256(self.fmt)
-        tile = self._tile if wide else functools.partial(tile_256, self.fmt, self.K)
         n_block = max(rn, (L2_BUDGET // row_bytes) // rn * rn)
         with em.claims(a).ranges(groups, CHUNK_GROUPS, em.cdiv(N, n_block)) as (nbi, g0, g1), \
                 em.loop(g0, g1, name="grp") as g:
@@ -175,17 +187,18 @@ def tile_tokens_256(fmt: QFormat) -> int:
 
 
 def tile_256(fmt: QFormat, K: int, em: Emitter, wg, x_ptr, y_ptr, g, nt, rn: int, M, valid, nb: int,
-             row_bytes: int) -> None:
-    """16 rows x rn tokens as two 8-row halves, one pass over K each."""
+             row_bytes: int, one_pass: bool = False) -> None:
+    """16 rows x rn tokens as two 8-row halves, one pass over K each (`one_pass`: both in one)."""
     rows = [em.gep(x_ptr, em.mul(em.add(nt, j), row_bytes)) for j in range(rn)]
     out = _Out256(em, y_ptr, g, nt, M, valid)
     if fmt.order == "block":
         for halves in ([(0, 1)] if rn <= 2 else [(0,), (1,)]):
             _block_order_256(fmt, K, em, wg, rows, out, nb, halves)
     else:
-        # 8 accumulators a (half, token): one half at a time (both in one pass spill 16 accumulators:
-        # q8_0 N=128 10-20% slower, a single token ~5% faster)
-        for halves in [(0,), (1,)]:
+        # 8 accumulators a (half, token). Both halves in one pass spill 16 accumulators: with AVX-VNNI
+        # q8_0 pp128 3-25% slower; the one token of generation reads its weights in one pass instead
+        # (Zen 5, emulated Zen 3: smollm2-q4_1 ~5%, q8_0 with AVX-VNNI ~7% faster a token)
+        for halves in [(0, 1)] if one_pass else [(0,), (1,)]:
             _lanes8_256(fmt, K, em, wg, rows, out, nb, halves)
 
 
