@@ -65,19 +65,21 @@ class MatMulQ(Kernel):
     def emit(self, em: Emitter, a) -> None:
         if em.target.vnni512:
             self._sweep(em, a, self.rn, self._tile)
-        elif self.fmt.packing == "pairs":
+            return
+        if self.fmt.packing == "pairs":
             emit_pairs(self.fmt, self.K, em, a)
-        elif self.fmt.order == "lanes8":
-            # one token (generation): both halves in one pass, the weights streamed once; prompts
-            # take them in turn (see tile_256)
-            tile = functools.partial(tile_256, self.fmt, self.K)
-            with em.if_else(em.icmp("==", a.ints[0], 1)) as (then, otherwise):
-                with then:
-                    self._sweep(em, a, 1, functools.partial(tile, one_pass=True))
-                with otherwise:
-                    self._sweep(em, a, tile_tokens_256(self.fmt), tile)
-        else:
-            self._sweep(em, a, tile_tokens_256(self.fmt), functools.partial(tile_256, self.fmt, self.K))
+            return
+        tile, rn = functools.partial(tile_256, self.fmt, self.K), tile_tokens_256(self.fmt)
+        if self.fmt.order != "lanes8":
+            self._sweep(em, a, rn, tile)
+            return
+        # one token (generation): both halves in one pass, the weights streamed once; prompts take
+        # them in turn (see tile_256)
+        with em.if_else(em.icmp("==", a.ints[0], 1)) as (then, otherwise):
+            with then:
+                self._sweep(em, a, rn, functools.partial(tile, one_pass=True))
+            with otherwise:
+                self._sweep(em, a, rn, tile)
 
     def _sweep(self, em: Emitter, a, rn: int, tile) -> None:
         """Each thread's groups (16 weight rows) against tiles of rn tokens, in L2-sized blocks."""
