@@ -105,3 +105,29 @@ def test_flash_attn(backend, n_tok, n_kv, k_type, v_type, dk):
     same(backend, b.graph, {"q": _f32((1, 4, n_tok, dk)), "k": _kv((1, 2, n_kv, dk), k_type),
                             "v": _kv((1, 2, n_kv, dk), v_type), "m": m.astype(np.float16)[None, None],
                             "s": _f32((4,), 2) + 2})
+
+
+@pytest.mark.parametrize("softcap,max_bias,masked,v_type", [
+    (0.0, 0.0, True, "f16"), (30.0, 8.0, True, "f16"), (0.0, 0.0, False, "f16"), (0.0, 0.0, True, "f32"),
+    (0.0, 0.0, True, "q8_0"),
+])
+def test_flash_attn_rows(backend, softcap, max_bias, masked, v_type):
+    """The row path's live-cell list over several blocks of cells: holes in the mask, a row
+    with no live cell, late new maxima, a head size with a 16-lane tail, softcap and ALiBi, no
+    mask, an f32 and a quantized V."""
+    n_tok, n_kv = 5, 600
+    dk = 64 if v_type == "q8_0" else 72   # q8_0 rows are whole 32-element blocks
+    k_type = v_type
+    b = GraphBuilder("g")
+    q = b.input("q", [1, 4, n_tok, dk], F32)
+    k = b.input("k", [1, 2, n_kv, dk], dtype_named(k_type))
+    v = b.input("v", [1, 2, n_kv, dk], dtype_named(v_type))
+    mask = b.input("m", [1, 1, n_tok, n_kv], F16) if masked else None
+    b.output("y", b.flash_attn_ext(q, k, v, mask, 1 / math.sqrt(dk), max_bias=max_bias, logit_softcap=softcap))
+    m = np.where(rng.random((n_tok, n_kv)) < 0.3, -np.inf, rng.standard_normal((n_tok, n_kv))).astype(np.float32)
+    m[2] = -np.inf                      # no live cell: y is 0
+    m[3, 500:] = 4.0                    # a new maximum late in the row, past the first block
+    values = {"q": _f32((1, 4, n_tok, dk), 2), "k": _kv((1, 2, n_kv, dk), k_type), "v": _kv((1, 2, n_kv, dk), v_type)}
+    if masked:
+        values["m"] = m.astype(np.float16)[None, None]
+    same(backend, b.graph, values)

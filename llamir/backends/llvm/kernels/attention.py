@@ -6,8 +6,9 @@ is the reference, in the same numerics profile).
   (ggml_vec_dot_f16/f32 in the profile's lanes; a quantized K's scores come precomputed by the
   quantized matmul, which quantizes q and dots as ggml's kq_vec_dot does); the score is
   fma(dot, scale, slope*mask); cells whose mask is -inf are skipped; M and S are updated with
-  glibc's expf; V accumulates in f16 when V is f16 (vec_scale_f16 / vec_mad_f16). The heads of
-  one token are walked together, cell by cell, so the KV cache is read row by row.
+  glibc's expf; V accumulates in f16 when V is f16 (vec_scale_f16 / vec_mad_f16). Each
+  (token, head) row takes its live cells in blocks, each in three passes (scores, then the softmax
+  steps in order, then the accumulator): the same operations in the same order per row.
 - 64 rows or more of f16/f32 K = V: ggml's tiled kernel (ggml_compute_forward_flash_attn_ext_tiled):
   64-query x 64-cell tiles, q in f32, scores and V products as sequential fma chains (simd_gemm),
   each tile's softmax with ggml_vec_soft_max_f32 (the profile's vectors), all in f32.
@@ -20,6 +21,8 @@ y[s, t, h, :] = VKQ / S (ggml's permuted output); sinks join at the end (chunk 0
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import llvmlite.ir as ir
 
 from llamir.backends.llvm import vmath
@@ -31,6 +34,23 @@ from llamir.backends.llvm.plan import Kernel, Ref
 LANES = 16         # width of element-wise row updates (any width gives the same bits)
 TILE = 64          # GGML_FA_TILE_Q and GGML_FA_TILE_KV
 SPLIT_KV_MIN = 512 # cells from which a one-row decode splits them over the threads
+BLOCK = 256        # cells per block of the row path's passes
+SCORE_GROUP = 4    # K rows per vec_dot pass of the row path
+SCORE_AHEAD = 16   # live cells the row path's score pass prefetches K ahead
+
+
+@dataclass(frozen=True)
+class _RowBuffers:
+    """A thread's scratch on the row path: the row's q (K's vec_dot type) and accumulator, a
+    quantized V row as f32, and per block the live cells with their scores and (vs, ms)."""
+
+    q: ir.Value
+    acc: ir.Value
+    vq: ir.Value
+    scores: ir.Value
+    cells: ir.Value
+    vs: ir.Value
+    ms: ir.Value
 
 
 def chunked(em: Emitter, n, body) -> None:
@@ -75,7 +95,7 @@ def scratch_bytes(H, DK, DV) -> tuple:
     """Per-thread scratch: (row path bytes, tiled path bytes) as expressions of the head sizes."""
     from llamir.backends.llvm import expr as E
 
-    rows = E.add(E.mul(H, E.add(E.mul(DK, 4), E.add(E.mul(DV, 4), 16))), E.mul(4, E.add(DK, DV)))
+    rows = E.add(E.mul(4, E.add(DK, E.mul(DV, 2))), 16 * BLOCK)
     tiled = E.mul(4, E.add(E.mul(TILE, E.add(E.mul(DK, 2), E.mul(DV, 3))), TILE * TILE * 2 + 2 * TILE))
     return rows, tiled
 
@@ -192,18 +212,25 @@ class FlashAttn(Kernel):
 
         chunked(em, d["DV"], body)
 
-    # -- fewer than 64 rows: the heads of a token together, cell by cell ----------------------------------
-    def _buffers(self, em: Emitter):
-        """Per-thread scratch of the cell loop: q rows (in K's vec_dot type), accumulators, M, S."""
+    # -- fewer than 64 rows: one head's row at a time, a block of cells in passes -----------------
+    # ggml's one_chunk walks the cells of one (token, head) row in order: score, then M, S and the
+    # accumulator. The same per-cell operations run here in the same order per row, split by kind
+    # over a block of cells so that no pass waits on another's latency: the block's live cells
+    # (mask not -inf) into a list, their scores (four K rows per vec_dot pass), M, S and each live
+    # cell's (vs, ms) in order (the expf calls, while V and the next head's K are prefetched), then
+    # the accumulator over them, held in registers (no calls in that loop).
+    def _buffers(self, em: Emitter) -> _RowBuffers:
         d = self.d
-        H, DK, DV = d["H"], d["DK"], d["DV"]
+        DK, DV = d["DK"], d["DV"]
         sc = self.p["scratch"]
-        qbuf = sc                                                   # [H][DK] as qv_dt
-        accbuf = em.gep(sc, em.mul(em.mul(H, DK), 4))               # [H][DV] as acc_dt
-        mbuf = em.gep(accbuf, em.mul(em.mul(H, DV), 4))             # M[H], S[H] f32
-        sbuf = em.gep(mbuf, em.mul(H, 4))
-        self._vq_buf = em.gep(sbuf, em.add(em.mul(H, 4), em.mul(DK, 4))) if _quantized(self.dtypes[2]) else None
-        return qbuf, accbuf, mbuf, sbuf
+        q = sc                                              # [DK] as qv_dt
+        acc = em.gep(q, em.mul(DK, 4))                      # [DV] as acc_dt
+        vq = em.gep(acc, em.mul(DV, 4))                     # [DV] f32
+        scores = em.gep(vq, em.mul(DV, 4))                  # [BLOCK] f32
+        cells = em.gep(scores, BLOCK * 4)                   # [BLOCK] i32
+        vs = em.gep(cells, BLOCK * 4)                       # [BLOCK] f32
+        ms = em.gep(vs, BLOCK * 4)                          # [BLOCK] f32
+        return _RowBuffers(q, acc, vq, scores, cells, vs, ms)
 
     def _acc_dt(self) -> str:
         return "f16" if self.dtypes[2] == "f16" else "f32"
@@ -211,47 +238,176 @@ class FlashAttn(Kernel):
     def _qv_dt(self) -> str:
         return "f16" if self.dtypes[1] == "f16" else "f32"
 
-    def _init_heads(self, em: Emitter, s, t, h0, h1, bufs) -> None:
+    def _live(self, em: Emitter, s, t, h, c):
+        """(the cell's mask term slope*mask, whether it is live: not -inf)."""
+        if self.p["mask"] is None:
+            return em.f32(0.0), ir.Constant(I1, 1)
+        mv = self._mask_value(em, self._mask_row(em, s, h, t), c, self._slope(em, h))
+        return mv, em.b.fcmp_ordered("!=", mv, em.f32(float("-inf")))
+
+    def _prefetch_row(self, em: Emitter, which: str, s, h, c, into_l1: bool) -> None:
+        """Prefetch the lines of the K or V row of head h at cell c (past the cache: no fault)."""
+        dt = self.dtypes[1 if which == "k" else 2]
+        n = self.d["DK" if which == "k" else "DV"]
+        if not isinstance(n, int) or _quantized(dt):
+            return
+        row = self._kv_row(em, which, s, h, c)
+        for line in range(0, n * _size(dt), 64):
+            em.prefetch(row, line, into_l1=into_l1)
+
+    def _head(self, em: Emitter, s, t, h, c0, c1, bufs):
+        """The (s, t, h) row over cells [c0, c1): returns (M, S); its accumulator is in bufs.acc."""
         d = self.d
-        qbuf, accbuf, mbuf, sbuf = bufs
         DK, DV = d["DK"], d["DV"]
         qv_dt, acc_dt = self._qv_dt(), self._acc_dt()
-        with em.loop(h0, h1, name="init") as h:
+        if not self.has_scores:
+            qrow = em.gep(self.p["q"], em.offset((s, h, t), d["qs"][:3]))
+            chunked(em, DK, lambda i, lanes: _vstore(em, _vload(em, qrow, i, "f32", lanes), bufs.q, i, qv_dt))
+        zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
+        chunked(em, DV, lambda i, lanes: _vstore(em, zero if lanes else em.f32(0.0), bufs.acc, i, acc_dt))
+        M = em.var(F32, em.f32(float("-inf")))
+        S = em.var(F32, em.f32(0.0))
+        with em.loop(c0, c1, BLOCK, name="block") as cb:
+            n_live = self._block_live(em, s, t, h, cb, em.min(em.add(cb, BLOCK), c1), bufs)
+            self._block_scores(em, s, t, h, n_live, bufs)
+            self._block_weights(em, s, h, n_live, M, S, bufs)
+            self._block_values(em, s, h, n_live, bufs)
+        return em.get(M), em.get(S)
+
+    def _block_live(self, em: Emitter, s, t, h, cb, ce, bufs) -> ir.Value:
+        """cells[0:n] = the block's live cells in order (mask term not -inf); returns n."""
+        n = em.var(ir.IntType(64), em.i64(0))
+        with em.loop(cb, ce, name="live") as c:    # branch-free: every cell written, the live ones kept
+            _, live = self._live(em, s, t, h, c)
+            at = em.get(n)
+            em.store(em.b.trunc(c, ir.IntType(32)), bufs.cells, em.mul(at, 4))
+            em.set(n, em.add(at, em.b.zext(live, ir.IntType(64))))
+        return em.get(n)
+
+    @staticmethod
+    def _cell(em: Emitter, bufs: _RowBuffers, j):
+        """The j-th live cell of the block."""
+        return em.b.zext(em.load(ir.IntType(32), bufs.cells, em.mul(j, 4)), ir.IntType(64))
+
+    def _block_scores(self, em: Emitter, s, t, h, n_live, bufs) -> None:
+        """scores[j] = fma(dot, scale, mv) (or the softcap's) of the j-th live cell, four cells a
+        vec_dot pass (past the last one it stands in), K rows prefetched a few cells on."""
+        b, d = em.b, self.d
+        k_dt, qv_dt = self.dtypes[1], self._qv_dt()
+        last = em.sub(n_live, 1)
+        with em.loop(0, n_live, SCORE_GROUP, name="sgroup") as j0:
+            group = [self._cell(em, bufs, em.min(em.add(j0, j), last)) for j in range(SCORE_GROUP)]
             if not self.has_scores:
-                qrow = em.gep(self.p["q"], em.offset((s, h, t), d["qs"][:3]))
-                qdst = em.gep(qbuf, em.mul(em.mul(h, DK), _size(qv_dt)))
-                chunked(em, DK, lambda i, lanes, qrow=qrow, qdst=qdst: _vstore(
-                    em, _vload(em, qrow, i, "f32", lanes), qdst, i, qv_dt))
-            arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
-            zero = ir.Constant(vec(F32, LANES), [0.0] * LANES)
-            chunked(em, DV, lambda i, lanes, arow=arow: _vstore(
-                em, zero if lanes else em.f32(0.0), arow, i, acc_dt))
-            em.store(em.f32(float("-inf")), mbuf, em.mul(h, 4))
-            em.store(em.f32(0.0), sbuf, em.mul(h, 4))
+                for j in range(SCORE_GROUP):
+                    ahead = self._cell(em, bufs, em.min(em.add(j0, SCORE_AHEAD + j), last))
+                    self._prefetch_row(em, "k", s, h, ahead, into_l1=True)
+                rows = [self._kv_row(em, "k", s, h, cell) for cell in group]
+                dots = vec_dot_rows(em, rows, k_dt, bufs.q, qv_dt, d["DK"], _size(k_dt), _size(qv_dt))
+            else:
+                dots = [em.load(F32, self.p["scores"], em.add(em.offset((s, h, t), d["ss"]), em.mul(cell, 4)))
+                        for cell in group]
+            for j, (dot, cell) in enumerate(zip(dots, group)):
+                mv, _ = self._live(em, s, t, h, cell)
+                if self.softcap:
+                    x = b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", b.fmul(dot, em.f32(self.scale))))
+                    score = b.fadd(x, mv)
+                else:   # s = s*scale; s += mv: one fma, as GCC compiled it
+                    score = em.fma(dot, em.f32(self.scale), mv)
+                em.store(score, bufs.scores, em.mul(em.add(j0, j), 4))
+
+    def _block_weights(self, em: Emitter, s, h, n_live, M, S, bufs) -> None:
+        """one_chunk's softmax steps over the live cells in order: a new maximum gives
+        ms = expf(Mold - M) (vs = 1), any other score vs = expf(s - M); S = S*ms + vs. Writes
+        each live cell's (vs, ms)."""
+        b = em.b
+        with em.loop(0, n_live, name="cell") as j:
+            # while expf works: the V row of the next pass and the next head's K, into L2
+            cell = self._cell(em, bufs, j)
+            self._prefetch_row(em, "v", s, h, cell, into_l1=False)
+            if not self.has_scores:
+                self._prefetch_row(em, "k", s, em.add(h, 1), cell, into_l1=False)
+            score = em.load(F32, bufs.scores, em.mul(j, 4))
+            m_old = em.get(M)
+            ms = em.var(F32, em.f32(1.0))
+            vs = em.var(F32, em.f32(1.0))
+            with em.if_else(b.fcmp_ordered(">", score, m_old)) as (then, otherwise):
+                with then:
+                    em.set(M, score)
+                    em.set(ms, vmath.expf(em, b.fsub(m_old, score)))
+                with otherwise:
+                    em.set(vs, vmath.expf(em, b.fsub(score, m_old)))
+            em.set(S, em.fma(em.get(S), em.get(ms), em.get(vs)))
+            em.store(em.get(vs), bufs.vs, em.mul(j, 4))
+            em.store(em.get(ms), bufs.ms, em.mul(j, 4))
+
+    def _block_values(self, em: Emitter, s, h, n_live, bufs) -> None:
+        """acc = acc*ms on a new maximum (vec_scale), then acc = acc + v*vs (vec_mad), cell by
+        live cell, each rounded to the accumulator's type. A static head size keeps the
+        accumulator in registers, as many 16-lane vectors per pass over the cells as they hold."""
+        b, d = em.b, self.d
+        DV = d["DV"]
+        acc_dt, v_dt = self._acc_dt(), self.dtypes[2]
+
+        def cell_of(j):
+            return self._cell(em, bufs, j), em.load(F32, bufs.vs, em.mul(j, 4)), em.load(F32, bufs.ms, em.mul(j, 4))
+
+        def rounded(x):
+            return em.to_f32(em.from_f32(x, acc_dt), acc_dt) if acc_dt != "f32" else x
+
+        def rescale(acc, ms, lanes: int):
+            return rounded(b.fmul(acc, em.splat(ms, lanes) if lanes else ms))
+
+        def mad(acc, v, vs, lanes: int):
+            return rounded(em.fma(v, em.splat(vs, lanes) if lanes else vs, acc))
+
+        if _quantized(v_dt) or not isinstance(DV, int):
+            # the accumulator stays in memory; a quantized V row is dequantized once per cell
+            with em.loop(0, n_live, name="vcell") as j:
+                c, vs, ms = cell_of(j)
+                vrow, vdt = self._kv_row(em, "v", s, h, c), v_dt
+                if _quantized(v_dt):
+                    _dequant_row(em, v_dt, vrow, bufs.vq, DV)
+                    vrow, vdt = bufs.vq, "f32"
+                new_max = b.fcmp_unordered("!=", ms, em.f32(1.0))
+
+                def body(i, lanes, vrow=vrow, vdt=vdt, vs=vs, ms=ms, new_max=new_max):
+                    acc = _vload(em, bufs.acc, i, acc_dt, lanes)
+                    acc = b.select(new_max, rescale(acc, ms, lanes), acc)
+                    _vstore(em, mad(acc, _vload(em, vrow, i, vdt, lanes), vs, lanes), bufs.acc, i, acc_dt)
+
+                chunked(em, DV, body)
+            return
+        # (offset, lanes) pieces of the row: 16-lane vectors, then the rest as one vector
+        pieces = [(i, LANES) for i in range(0, DV - DV % LANES, LANES)] + ([(DV - DV % LANES, DV % LANES)]
+                                                                          if DV % LANES else [])
+        per_pass = 8 if em.target.avx512 else 4
+        for p0 in range(0, len(pieces), per_pass):
+            group = pieces[p0:p0 + per_pass]
+            accs = [em.var(vec(F32, lanes), _vload(em, bufs.acc, i, acc_dt, lanes)) for i, lanes in group]
+            with em.loop(0, n_live, name="vcell") as j:
+                c, vs, ms = cell_of(j)
+                vrow = self._kv_row(em, "v", s, h, c)
+                with em.if_(b.fcmp_unordered("!=", ms, em.f32(1.0))):    # a new maximum (ms = 1 leaves acc)
+                    for acc, (_, lanes) in zip(accs, group):
+                        em.set(acc, rescale(em.get(acc), ms, lanes))
+                for acc, (i, lanes) in zip(accs, group):
+                    em.set(acc, mad(em.get(acc), _vload(em, vrow, i, v_dt, lanes), vs, lanes))
+            for acc, (i, _) in zip(accs, group):
+                _vstore(em, em.get(acc), bufs.acc, i, acc_dt)
 
     def _rows(self, em: Emitter, a) -> None:
         d = self.d
-        S_, H, T, DV = d["S"], d["H"], d["T"], d["DV"]
+        S_, H, T = d["S"], d["H"], d["T"]
         acc_dt = self._acc_dt()
         # rows ordered (s, t, h): a thread's range is whole or partial head groups of tokens
-        rows = em.mul(em.mul(S_, T), H)
-        r0, r1 = em.split(rows, a.ith, a.nth)
-        groups0, groups1 = em.div(r0, H), em.cdiv(r1, H)
+        r0, r1 = em.split(em.mul(em.mul(S_, T), H), a.ith, a.nth)
         bufs = self._buffers(em)
-        _, accbuf, mbuf, sbuf = bufs
-        with em.loop(groups0, groups1, name="tok") as g:
-            t = em.rem(g, T)
-            s = em.div(g, T)
-            h0 = em.max(em.sub(r0, em.mul(g, H)), 0)
-            h1 = em.min(em.sub(r1, em.mul(g, H)), H)
-            self._init_heads(em, s, t, h0, h1, bufs)
-            with em.loop(0, d["n_kv"], name="cell") as c:
-                with em.loop(h0, h1, name="head") as h:
-                    self._cell(em, s, t, h, c, bufs)
-            with em.loop(h0, h1, name="fin") as h:
-                arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
-                self._finish_row(em, arow, acc_dt, em.load(F32, mbuf, em.mul(h, 4)),
-                                 em.load(F32, sbuf, em.mul(h, 4)), s, t, h, fused_sinks=False)
+        with em.loop(r0, r1, name="row") as r:
+            h = em.rem(r, H)
+            t = em.rem(em.div(r, H), T)
+            s = em.div(em.div(r, H), T)
+            M, S = self._head(em, s, t, h, 0, d["n_kv"], bufs)
+            self._finish_row(em, bufs.acc, acc_dt, M, S, s, t, h, fused_sinks=False)
 
     def _split_partials(self, em: Emitter, a) -> None:
         """This thread's chunk of the cells for every head of the one query row: (M, S, VKQ as f32)
@@ -263,14 +419,9 @@ class FlashAttn(Kernel):
         c0 = em.mul(a.ith, chunk)
         c1 = em.min(em.add(c0, chunk), d["n_kv"])
         bufs = self._buffers(em)
-        _, accbuf, mbuf, sbuf = bufs
         zero = em.i64(0)
-        self._init_heads(em, zero, zero, 0, H, bufs)
-        with em.loop(c0, c1, name="cell") as c:
-            with em.loop(0, H, name="head") as h:
-                self._cell(em, zero, zero, h, c, bufs)
         with em.loop(0, H, name="part") as h:
-            M, S = em.load(F32, mbuf, em.mul(h, 4)), em.load(F32, sbuf, em.mul(h, 4))
+            M, S = self._head(em, zero, zero, h, c0, c1, bufs)
             ms = None
             if self.p["sinks"] is not None:
                 first = em.icmp("==", a.ith, 0)
@@ -279,66 +430,14 @@ class FlashAttn(Kernel):
             part = em.gep(self.p["partials"], em.mul(em.add(em.mul(a.ith, H), h), em.mul(em.add(DV, 2), 4)))
             em.store(M, part, 0)
             em.store(S, part, 4)
-            arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
 
-            def body(i, lanes, arow=arow, part=part, ms=ms):
-                x = _vload(em, arow, i, acc_dt, lanes)
+            def body(i, lanes, part=part, ms=ms):
+                x = _vload(em, bufs.acc, i, acc_dt, lanes)
                 if ms is not None:
                     x = b.fmul(x, em.splat(ms, lanes) if lanes else ms)
                 _vstore(em, x, em.gep(part, 8), i, "f32")
 
             chunked(em, DV, body)
-
-    def _score(self, em: Emitter, s, t, h, c, qbuf):
-        """The raw dot of K row c with q (kq_vec_dot), as f32."""
-        d = self.d
-        if self.has_scores:
-            return em.load(F32, self.p["scores"], em.add(em.offset((s, h, t), d["ss"]), em.mul(c, 4)))
-        krow = self._kv_row(em, "k", s, h, c)
-        k_dt, qv_dt = self.dtypes[1], self._qv_dt()
-        qrow = em.gep(qbuf, em.mul(em.mul(h, d["DK"]), _size(qv_dt)))
-        return vec_dot_rows(em, [krow], k_dt, qrow, qv_dt, d["DK"], _size(k_dt), _size(qv_dt))[0]
-
-    def _cell(self, em: Emitter, s, t, h, c, bufs) -> None:
-        b, d = em.b, self.d
-        qbuf, accbuf, mbuf, sbuf = bufs
-        v_dt = self.dtypes[2]
-        acc_dt = self._acc_dt()
-        DV = d["DV"]
-        mv = em.f32(0.0)
-        if self.p["mask"] is not None:
-            mv = self._mask_value(em, self._mask_row(em, s, h, t), c, self._slope(em, h))
-        with em.if_(b.fcmp_ordered("!=", mv, em.f32(float("-inf")))):
-            dot = self._score(em, s, t, h, c, qbuf)
-            if self.softcap:
-                sc = b.fadd(b.fmul(em.f32(self.softcap), vmath.libm(em, "tanhf", b.fmul(dot, em.f32(self.scale)))), mv)
-            else:   # s = s*scale; s += mv: one fma, as GCC compiled it
-                sc = em.fma(dot, em.f32(self.scale), mv)
-            m_old = em.load(F32, mbuf, em.mul(h, 4))
-            arow = em.gep(accbuf, em.mul(em.mul(h, DV), _size(acc_dt)))
-            ms = em.var(F32, em.f32(1.0))
-            vs = em.var(F32, em.f32(1.0))
-            with em.if_else(b.fcmp_ordered(">", sc, m_old)) as (then, otherwise):
-                with then:
-                    em.store(sc, mbuf, em.mul(h, 4))
-                    em.set(ms, vmath.expf(em, b.fsub(m_old, sc)))
-                    factor = em.get(ms)
-                    chunked(em, DV, lambda i, lanes: _vstore(em, b.fmul(
-                        _vload(em, arow, i, acc_dt, lanes), em.splat(factor, lanes) if lanes else factor),
-                        arow, i, acc_dt))
-                with otherwise:
-                    em.set(vs, vmath.expf(em, b.fsub(sc, m_old)))
-            vrow = self._kv_row(em, "v", s, h, c)
-            vdt = v_dt
-            if _quantized(v_dt):
-                _dequant_row(em, v_dt, vrow, self._vq_buf, DV)
-                vrow, vdt = self._vq_buf, "f32"
-            w = em.get(vs)
-            chunked(em, DV, lambda i, lanes: _vstore(em, em.fma(
-                _vload(em, vrow, i, vdt, lanes), em.splat(w, lanes) if lanes else w,
-                _vload(em, arow, i, acc_dt, lanes)), arow, i, acc_dt))
-            old = em.load(F32, sbuf, em.mul(h, 4))
-            em.store(em.fma(old, em.get(ms), w), sbuf, em.mul(h, 4))
 
     # -- 64 rows or more: ggml's tiles ------------------------------------------------------------------------
     def _tiled(self, em: Emitter, a) -> None:
