@@ -218,7 +218,9 @@ class FlashAttn(Kernel):
     # over a block of cells so that no pass waits on another's latency: the block's live cells
     # (mask not -inf) into a list, their scores (four K rows per vec_dot pass), M, S and each live
     # cell's (vs, ms) in order (the expf calls, while V and the next head's K are prefetched), then
-    # the accumulator over them, held in registers (no calls in that loop).
+    # the accumulator over them, held in registers (no calls in that loop). A thread first
+    # prefetches the K and V rows of all its heads' live cells at once: the cache of a decode
+    # comes from memory (the weights streamed since evict it), and per head its rows are strided.
     def _buffers(self, em: Emitter) -> _RowBuffers:
         d = self.d
         DK, DV = d["DK"], d["DV"]
@@ -254,6 +256,20 @@ class FlashAttn(Kernel):
         row = self._kv_row(em, which, s, h, c)
         for line in range(0, n * _size(dt), 64):
             em.prefetch(row, line, into_l1=into_l1)
+
+    def _prefetch_cells(self, em: Emitter, s, t, h0, h1, c0, c1) -> None:
+        """Before the rows of heads [h0, h1) of token (s, t): prefetch the K and V rows of their
+        KV heads at the live cells of [c0, c1) (head h0's mask) into L2, all at once, so that the
+        cache, read per head at a stride, streams at the memory's rate instead of its latency."""
+        d = self.d
+        group = em.div(d["H"], d["hkv"])
+        kv0, kv1 = em.div(h0, group), em.cdiv(h1, group)
+        with em.loop(c0, c1, name="pfcell") as c:
+            _, live = self._live(em, s, t, h0, c)
+            with em.if_(live):
+                with em.loop(kv0, kv1, name="pfhead") as kh:
+                    for which in ("k", "v"):
+                        self._prefetch_row(em, which, s, em.mul(kh, group), c, into_l1=False)
 
     def _head(self, em: Emitter, s, t, h, c0, c1, bufs):
         """The (s, t, h) row over cells [c0, c1): returns (M, S); its accumulator is in bufs.acc."""
@@ -406,6 +422,8 @@ class FlashAttn(Kernel):
             h = em.rem(r, H)
             t = em.rem(em.div(r, H), T)
             s = em.div(em.div(r, H), T)
+            with em.if_(em.b.or_(em.icmp("==", r, r0), em.icmp("==", h, 0))):   # a token's first row here
+                self._prefetch_cells(em, s, t, h, em.min(H, em.add(h, em.sub(r1, r))), 0, d["n_kv"])
             M, S = self._head(em, s, t, h, 0, d["n_kv"], bufs)
             self._finish_row(em, bufs.acc, acc_dt, M, S, s, t, h, fused_sinks=False)
 
@@ -420,6 +438,7 @@ class FlashAttn(Kernel):
         c1 = em.min(em.add(c0, chunk), d["n_kv"])
         bufs = self._buffers(em)
         zero = em.i64(0)
+        self._prefetch_cells(em, zero, zero, zero, H, c0, c1)
         with em.loop(0, H, name="part") as h:
             M, S = self._head(em, zero, zero, h, c0, c1, bufs)
             ms = None
