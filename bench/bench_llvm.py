@@ -1,6 +1,7 @@
 """llamir's LLVM backend against llama.cpp on the same GGUF files, in one run.
 
-    python bench/bench_llvm.py [--threads 2] [--models small-f32,big-q4_0,...] [--isa host|avx2] [--json out.json]
+    python bench/bench_llvm.py [--threads 2] [--models small-f32,big-q4_0,...] [--isa host|avx2] [--depth N]
+                               [--json out.json]
 
 Models: a ~5M and a ~110M random-weight llama (12 layers, n_embd 768, vocab 32000) in f32, f16,
 q8_0, q4_0, q4_k and q6_k, written once into the llamir cache, plus SmolLM2-135M-Instruct Q4_1.
@@ -14,6 +15,9 @@ bandwidth measured here and the token-generation roofline it implies (weight byt
 bandwidth, with the bandwidth measured again before each tg round, beside the row: the highest
 of those, since the best rounds are reported), llamir's compile times (cold: empty code cache;
 warm: from the disk cache) and where a generated token's time goes (kernels, barriers, Python).
+
+`--depth N` runs every test with N tokens already in the cache (llama-bench -d): the rows say
+`@dN`, and the generation rows read that many cached cells more per token than the roofline counts.
 
 `--isa avx2` emulates an AVX2-only machine on an AVX-512 host: llamir generates code without
 AVX-512/AVX-VNNI with the avx2 numerics profile, and llama.cpp runs from an AVX2-only build
@@ -69,6 +73,12 @@ RECURRENT = {
 DTYPES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k")
 LARGE_DTYPES = ("f16", "q8_0", "q4_0", "q6_k")
 TESTS = (("pp128", 128, 0), ("pp512", 512, 0), ("tg128", 0, 128))
+
+
+def tests(depth: int) -> tuple:
+    """(label, prompt tokens, generated tokens) of each test; at a depth (--depth: tokens in the
+    cache before each timed decode, llama-bench's -d) the labels say it: tg128@d512."""
+    return tuple((f"{label}@d{depth}" if depth else label, n_prompt, n_gen) for label, n_prompt, n_gen in TESTS)
 
 
 def model_paths(selected: list[str] | None) -> dict[str, Path]:
@@ -162,25 +172,26 @@ def isa_report(isa: str, threads: int, build: str | None) -> dict:
 
 
 def run(models: dict[str, Path], threads: int, reps: int, rounds: int, isa: str = "host",
-        llama_cpp_path: str | None = None) -> dict:
+        llama_cpp_path: str | None = None, depth: int = 0) -> dict:
     build = llama_cpp_build(isa, llama_cpp_path)
     bandwidth, buffer = memory_bandwidth(threads)
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": threads, "rounds": rounds,
                           "memory_bandwidth_GBps": bandwidth / 1e9, "bandwidth_buffer_bytes": buffer,
                           "l3_bytes": l3_bytes(), "python": sys.version.split()[0],
-                          "load_average": os.getloadavg()},
+                          "load_average": os.getloadavg(), "depth": depth},
               "isa": isa_report(isa, threads, build), "models": {}}
     for name, path in models.items():
         entry = {"file": str(path), "weight_bytes_per_token": weight_bytes_per_token(path), "tg_bandwidth_GBps": []}
         entry["compile_s"] = compile_times(path, threads, isa)
-        for label, n_prompt, n_gen in TESTS:
+        for label, n_prompt, n_gen in tests(depth):
             key = "pp_tps" if label.startswith("pp") else "tg_tps"
             runs: dict[str, list[BenchResult]] = {"llamir": [], "llama.cpp": []}
             for _ in range(rounds):   # alternating, so that a slow spell of the machine hits both
                 if n_gen:   # the bandwidth drifts with the machine's neighbours: measured beside each tg round
                     entry["tg_bandwidth_GBps"].append(memory_bandwidth(threads, buffer)[0] / 1e9)
-                runs["llamir"].append(bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps, isa=isa))
-                runs["llama.cpp"].append(bench_llama_cpp(path, threads, n_prompt, n_gen, reps, build=build))
+                runs["llamir"].append(bench_llamir(path, "llvm", threads, n_prompt, n_gen, reps, isa=isa, depth=depth))
+                runs["llama.cpp"].append(bench_llama_cpp(path, threads, n_prompt, n_gen, reps, build=build,
+                                                         depth=depth))
             entry[label] = {}
             for engine, results in runs.items():
                 best = max(results, key=lambda r: getattr(r, key))
@@ -210,8 +221,9 @@ def table(report: dict) -> str:
              f"{'model':14s} {'test':6s} {'llamir tok/s':>13s} {'llama.cpp':>10s} {'ratio':>6s}   "
              f"{'roofline tg':>11s} {'llamir %':>8s} {'llama.cpp %':>11s}",
              "-" * 88]
+    depth = m.get("depth", 0)
     for name, entry in report["models"].items():
-        for label, _, _ in TESTS:
+        for label, _, _ in tests(depth):
             key = "pp_tps" if label.startswith("pp") else "tg_tps"
             ours, theirs = entry[label]["llamir"][key], entry[label]["llama.cpp"][key]
             row = f"{name:14s} {label:6s} {ours:13.1f} {theirs:10.1f} {ours / theirs:6.2f}"
@@ -234,7 +246,7 @@ def table(report: dict) -> str:
     lines += ["", "one generated token (ms): total = native (kernels + barriers) + Python (executable, context); "
               "then the same token through the general decode path instead of the token lane"]
     for name, entry in report["models"].items():
-        x = entry["tg128"]["llamir"]["extra"]
+        x = entry[tests(depth)[-1][0]]["llamir"]["extra"]
         if "token_ms" in x:
             line = (f"  {name:14s} {x['token_ms']:7.3f} = {x['native_ms']:7.3f} (barriers {x['barrier_ms']:.3f})"
                     f" + {x['python_in_executable_ms']:.3f} + {x['python_in_context_ms']:.3f}")
@@ -260,12 +272,18 @@ def main(argv: list[str] | None = None) -> int:
                         "llamir.cli_bench.AVX2_LLAMA_CPP)")
     p.add_argument("--json", default=None,
                    help="where to write the JSON report (default bench/results/bench_llvm[_ISA].json)")
+    p.add_argument("--depth", type=int, default=0,
+                   help="tokens in the cache before each timed prompt and generation (llama-bench -d)")
     args = p.parse_args(argv)
+    if args.depth < 0:
+        p.error(f"--depth must be >= 0, not {args.depth}")
     selected = [m.strip() for m in args.models.split(",") if m.strip()] or None
-    report = run(model_paths(selected), args.threads, args.reps, args.rounds, args.isa, args.llama_cpp_path)
+    report = run(model_paths(selected), args.threads, args.reps, args.rounds, args.isa, args.llama_cpp_path,
+                 args.depth)
     text = table(report)
     print(text)
-    out = Path(args.json or f"bench/results/bench_llvm{'' if args.isa == 'host' else '_' + args.isa}.json")
+    suffix = ("" if args.isa == "host" else "_" + args.isa) + (f"_d{args.depth}" if args.depth else "")
+    out = Path(args.json or f"bench/results/bench_llvm{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report["table"] = text
     out.write_text(json.dumps(report, indent=1))

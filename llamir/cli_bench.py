@@ -94,6 +94,7 @@ class BenchResult:
     threads: int
     pp_tokens: int
     tg_tokens: int
+    depth: int = 0                  # tokens already in the cache before each timed decode (llama-bench -d)
     pp_tps: float = 0.0
     tg_tps: float = 0.0
     pp_runs_s: list[float] = field(default_factory=list)
@@ -143,9 +144,10 @@ def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_prompt: int = 512, n_gen: int = 128,
                  reps: int = 3, flash_attn: str = FLASH_ATTN_DEFAULT, numerics: str | None = None,
-                 isa: str = "host", devices: list | None = None, placement=None) -> BenchResult:
+                 isa: str = "host", devices: list | None = None, placement=None, depth: int = 0) -> BenchResult:
     """Time llamir on one GGUF: prompt processing and generation, plus compile and overheads.
-    `devices` (backends in priority order) and `placement` run the model split over them."""
+    `devices` (backends in priority order) and `placement` run the model split over them; `depth`
+    tokens fill the cache (untimed) before each timed prompt and generation."""
     import llamir
     from llamir.backends import get_backend
 
@@ -159,43 +161,51 @@ def bench_llamir(path: str | Path, backend: str = "llvm", threads: int = 0, n_pr
         options["numerics"] = numerics
     be = get_backend(backend, **options)
     n_threads = getattr(be, "n_threads", threads)
-    result = BenchResult(f"llamir-{backend}", Path(path).name, n_threads, n_prompt, n_gen)
+    result = BenchResult(f"llamir-{backend}", Path(path).name, n_threads, n_prompt, n_gen, depth)
     if hasattr(be, "target"):
         result.extra["isa"] = f"{be.target.describe()}, numerics {be.numerics}"
-    n_ctx = max(n_prompt, n_gen) + 16
-    batch = max(n_prompt, 1)
+    n_ctx, batch = _context_sizes(n_prompt, n_gen, depth)
     t0 = time.perf_counter()
     ctx = llamir.Context(model, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, flash_attn=flash_attn, backend=be,
                          devices=devices or (), placement=placement)
     if devices:
         result.extra["devices"] = ", ".join(d.label for d in devices) + f" (splits: {ctx.n_splits})"
-    clear = _clear(ctx)
+    filled = _tokens(depth, model.hparams.n_vocab, seed=2)
+
+    def clear() -> None:
+        ctx.memory.clear(False)
+        if depth:
+            _ok(ctx, llamir.Batch.from_tokens(filled, logits="last"))
+
     prompt = _tokens(n_prompt, model.hparams.n_vocab)
     if n_prompt:
         first = time.perf_counter()
-        _ok(ctx, llamir.Batch.from_tokens(prompt, logits="last"))
+        clear()
+        _ok(ctx, llamir.Batch.from_tokens(prompt, pos0=depth, logits="last"))
         result.extra["first_pp_s"] = time.perf_counter() - first
-        result.pp_runs_s = time_pp(lambda t: _ok(ctx, llamir.Batch.from_tokens(t, logits="last")), clear, prompt,
-                                   reps)
+        result.pp_runs_s = time_pp(lambda t: _ok(ctx, llamir.Batch.from_tokens(t, pos0=depth, logits="last")), clear,
+                                   prompt, reps)
         result.pp_tps = n_prompt / _median(result.pp_runs_s)
     result.extra["setup_s"] = time.perf_counter() - t0
     if n_gen:
         gen = _tokens(n_gen, model.hparams.n_vocab, seed=1)
-        times = time_tg(lambda tok, pos: _ok(ctx, llamir.Batch.from_tokens([tok], pos0=pos)), clear, gen)
+        times = time_tg(lambda tok, pos: _ok(ctx, llamir.Batch.from_tokens([tok], pos0=depth + pos)), clear, gen)
         result.tg_token_ms = [t * 1e3 for t in times]
         result.tg_tps = 1.0 / _median(times)
         result.extra["tg_mean_tps"] = n_gen / sum(times)
-        result.extra.update(_token_breakdown(ctx, be, gen))
+        result.extra.update(_token_breakdown(ctx, be, gen, clear, depth))
     stats = getattr(be, "compile_stats", None)
     if stats is not None:
         result.extra["compile"] = [record._asdict() for record in stats.history]
     return result
 
 
-def _clear(ctx) -> Callable[[], None]:
-    def clear() -> None:
-        ctx.memory.clear(False)
-    return clear
+def _context_sizes(n_prompt: int, n_gen: int, depth: int) -> tuple[int, int]:
+    """(n_ctx, n_batch) for a bench run: room for the depth and the longer test, a batch that
+    takes the prompt or the depth's fill in one decode."""
+    if depth < 0 or n_prompt < 0 or n_gen < 0:
+        raise ValueError(f"token counts must be >= 0 (prompt {n_prompt}, generation {n_gen}, depth {depth})")
+    return depth + max(n_prompt, n_gen) + 16, max(n_prompt, depth, 1)
 
 
 def _ok(ctx, batch) -> None:
@@ -204,7 +214,7 @@ def _ok(ctx, batch) -> None:
         raise RuntimeError(f"decode failed with status {status}: {ctx.last_error}")
 
 
-def _token_breakdown(ctx, be, gen: list[int]) -> dict:
+def _token_breakdown(ctx, be, gen: list[int], clear: Callable[[], None], depth: int) -> dict:
     """Where one generated token's time goes: native compute (kernels + barriers, seen from thread
     0), the executable's Python (binding, outputs) and the context's Python around it; through
     the token lane (what decode takes for a generated token) and through the general path."""
@@ -234,14 +244,14 @@ def _token_breakdown(ctx, be, gen: list[int]) -> dict:
     def per_token(lane: bool) -> tuple[float, float]:
         """Seconds per token, and of them in the executable's call."""
         ctx.fast_token_decode = lane
-        ctx.memory.clear(False)
-        _ok(ctx, llamir.Batch.from_tokens([gen[0]], pos0=0))     # arms the lane
-        ctx.memory.clear(False)
+        clear()
+        _ok(ctx, llamir.Batch.from_tokens([gen[0]], pos0=depth))     # arms the lane
+        clear()
         spent["call"] = 0.0
         n = min(len(gen), 32)
         t0 = time.perf_counter()
         for pos in range(n):
-            _ok(ctx, llamir.Batch.from_tokens([gen[pos]], pos0=pos))
+            _ok(ctx, llamir.Batch.from_tokens([gen[pos]], pos0=depth + pos))
         return (time.perf_counter() - t0) / n, spent["call"] / n
 
     CompiledSplit.__call__, CompiledSplit.call_bound = call, call_bound
@@ -261,35 +271,38 @@ def _token_breakdown(ctx, be, gen: list[int]) -> dict:
 
 
 def bench_llama_cpp(path: str | Path, threads: int = 2, n_prompt: int = 512, n_gen: int = 128, reps: int = 3,
-                    flash_attn: str = FLASH_ATTN_DEFAULT, build: str | None = None) -> BenchResult:
+                    flash_attn: str = FLASH_ATTN_DEFAULT, build: str | None = None, depth: int = 0) -> BenchResult:
     """Time llama.cpp (llama-cpp-python) the same way on the same file; from the build in
     directory `build` (run in a subprocess with it first on PYTHONPATH) when one is given."""
     if build is not None:
         return _bench_llama_cpp_in(build, dict(path=str(path), threads=threads, n_prompt=n_prompt, n_gen=n_gen,
-                                               reps=reps, flash_attn=flash_attn))
+                                               reps=reps, flash_attn=flash_attn, depth=depth))
     from llamir.testing.llama_cpp import LlamaCppOracle
 
-    result = BenchResult("llama.cpp", Path(path).name, threads, n_prompt, n_gen)
+    result = BenchResult("llama.cpp", Path(path).name, threads, n_prompt, n_gen, depth)
     result.extra["system_info"] = llama_cpp_system_info()
-    n_ctx = max(n_prompt, n_gen) + 16
-    batch = max(n_prompt, 1)
+    n_ctx, batch = _context_sizes(n_prompt, n_gen, depth)
     with LlamaCppOracle(path, n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=threads,
                         flash_attn=flash_attn == "on") as o:
-        def clear() -> None:
-            o.clear()   # llama_memory_clear: a recurrent memory refuses seq_rm of every sequence (-1)
+        filled = _tokens(depth, o.n_vocab, seed=2)
 
         def decode(tokens, pos0=0, logits="last"):
             status = o.decode(tokens, pos0=pos0, logits=logits)
             if status != 0:
                 raise RuntimeError(f"llama.cpp decode failed with status {status}")
 
+        def clear() -> None:
+            o.clear()   # llama_memory_clear: a recurrent memory refuses seq_rm of every sequence (-1)
+            if depth:
+                decode(filled)
+
         if n_prompt:
             prompt = _tokens(n_prompt, o.n_vocab)
-            result.pp_runs_s = time_pp(decode, clear, prompt, reps)
+            result.pp_runs_s = time_pp(lambda t: decode(t, pos0=depth), clear, prompt, reps)
             result.pp_tps = n_prompt / _median(result.pp_runs_s)
         if n_gen:
             gen = _tokens(n_gen, o.n_vocab, seed=1)
-            times = time_tg(lambda tok, pos: decode([tok], pos0=pos), clear, gen)
+            times = time_tg(lambda tok, pos: decode([tok], pos0=depth + pos), clear, gen)
             result.tg_token_ms = [t * 1e3 for t in times]
             result.tg_tps = 1.0 / _median(times)
             result.extra["tg_mean_tps"] = n_gen / sum(times)
@@ -380,7 +393,7 @@ def cmd_bench(args) -> int:
         if args.backend == "llama.cpp":
             result = bench_llama_cpp(path, threads=args.threads or 2, n_prompt=args.n_prompt, n_gen=args.n_gen,
                                      reps=args.reps, flash_attn=args.flash_attn,
-                                     build=llama_cpp_build(args.isa, args.llama_cpp_path))
+                                     build=llama_cpp_build(args.isa, args.llama_cpp_path), depth=args.depth)
         else:
             from llamir.cli_devices import device_backends, placement_params
 
@@ -388,7 +401,7 @@ def cmd_bench(args) -> int:
             result = bench_llamir(path, backend=args.backend, threads=args.threads, n_prompt=args.n_prompt,
                                   n_gen=args.n_gen, reps=args.reps, flash_attn=args.flash_attn,
                                   numerics=args.numerics, isa=args.isa, devices=devices,
-                                  placement=placement_params(args) if devices else None)
+                                  placement=placement_params(args) if devices else None, depth=args.depth)
     except (RuntimeError, ValueError) as err:
         raise CliError(str(err)) from None
     if args.json:
@@ -399,10 +412,11 @@ def cmd_bench(args) -> int:
     for key in ("isa", "system_info", "devices"):
         if key in result.extra:
             print(f"  {dict(system_info='build', isa='target').get(key, key):6s} {result.extra[key]}")
+    at = f" @ d{result.depth}" if result.depth else ""
     if result.pp_tokens:
-        print(f"  pp{result.pp_tokens:<5d} {result.pp_tps:10.1f} tok/s")
+        print(f"  pp{result.pp_tokens:<5d} {result.pp_tps:10.1f} tok/s{at}")
     if result.tg_tokens:
-        print(f"  tg{result.tg_tokens:<5d} {result.tg_tps:10.1f} tok/s")
+        print(f"  tg{result.tg_tokens:<5d} {result.tg_tps:10.1f} tok/s{at}")
     for key in ("token_ms", "native_ms", "python_in_executable_ms", "python_in_context_ms", "token_general_ms"):
         if key in result.extra:
             print(f"  {key:24s} {result.extra[key]:8.3f}")
@@ -417,6 +431,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("model", nargs="?", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, dest="n_prompt", help="prompt tokens (0: skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, dest="n_gen", help="generated tokens (0: skip)")
+    p.add_argument("-d", "--n-depth", type=int, default=0, dest="depth",
+                   help="tokens in the cache before each timed prompt and generation (llama-bench -d)")
     p.add_argument("--backend", default="llvm", help="llvm (default), numpy, ..., or llama.cpp")
     p.add_argument("--threads", type=int, default=0, help="threads (default: all cores)")
     p.add_argument("--reps", type=int, default=3, help="prompt runs to take the median of")

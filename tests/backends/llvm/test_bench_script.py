@@ -41,6 +41,20 @@ def test_bench_rounds_and_table(tmp_path):
     assert "isa host" in text and "llama.cpp installed: CPU :" in text and "LLVM target" in text
 
 
+def test_bench_at_a_depth(tmp_path):
+    """--depth: the same tests with that many tokens in the cache first, for both engines, labelled."""
+    bench = _bench_module()
+    path = write_model(tmp_path / "tiny.gguf", SynthSpec(n_layer=1, dtype="q8_0"))
+    report = bench.run({"tiny": path}, threads=1, reps=1, rounds=1, depth=24)
+    entry = report["models"]["tiny"]
+    assert [label for label, _, _ in bench.tests(24)] == ["pp128@d24", "pp512@d24", "tg128@d24"]
+    for label, _, _ in bench.tests(24):
+        for engine in ("llamir", "llama.cpp"):
+            assert entry[label][engine]["depth"] == 24
+    assert entry["tg128@d24"]["llama.cpp"]["tg_tps"] > 0 and entry["tg128@d24"]["llamir"]["extra"]["token_ms"] > 0
+    assert "tg128@d24" in bench.table(report)
+
+
 def test_bench_avx2_emulation(tmp_path):
     """--isa avx2: llamir without AVX-512 and the avx2 profile, llama.cpp from an AVX2-only build."""
     bench = _bench_module()

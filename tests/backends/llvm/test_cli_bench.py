@@ -36,3 +36,29 @@ def test_bench_table_and_skipping_a_phase(tiny, capsys, monkeypatch, tmp_path):
 def test_bench_missing_model_is_an_error(capsys):
     assert main(["bench", "/nonexistent/model.gguf"]) == 1
     assert "model file not found" in capsys.readouterr().err
+
+
+def test_bench_at_a_depth(tiny, capsys, monkeypatch, tmp_path):
+    """-d: every timed prompt and generation runs after the cache holds that many tokens, and
+    the positions carry on from there (llama-bench -d)."""
+    import llamir
+
+    monkeypatch.setenv("LLAMIR_CACHE_DIR", str(tmp_path))
+    seen = []
+    decode = llamir.Context.decode
+
+    def spy(self, batch):
+        seen.append((batch.n_tokens, int(batch.pos[0]) if batch.pos is not None else 0))
+        return decode(self, batch)
+
+    monkeypatch.setattr(llamir.Context, "decode", spy)
+    assert main(["bench", str(tiny), "-p", "8", "-n", "4", "-d", "40", "--reps", "1", "--threads", "1",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["depth"] == 40 and out["pp_tps"] > 0 and out["tg_tps"] > 0
+    fills = [i for i, (n, pos) in enumerate(seen) if (n, pos) == (40, 0)]
+    assert fills and all(seen[i + 1][1] == 40 for i in fills)     # each fill is followed by a decode at 40
+    assert {pos for n, pos in seen if n == 8} == {40}              # prompts start at the depth
+    assert {pos for n, pos in seen if n == 1} == set(range(40, 44))
+    assert main(["bench", str(tiny), "-n", "4", "-d", "-1"]) == 1
+    assert "depth -1" in capsys.readouterr().err
