@@ -412,7 +412,7 @@ class FlashAttn(Kernel):
                 _vstore(em, em.get(acc), bufs.acc, i, acc_dt)
 
     def _rows(self, em: Emitter, a) -> None:
-        d = self.d
+        b, d = em.b, self.d
         S_, H, T = d["S"], d["H"], d["T"]
         acc_dt = self._acc_dt()
         # rows ordered (s, t, h): a thread's range is whole or partial head groups of tokens
@@ -422,7 +422,10 @@ class FlashAttn(Kernel):
             h = em.rem(r, H)
             t = em.rem(em.div(r, H), T)
             s = em.div(em.div(r, H), T)
-            with em.if_(em.b.or_(em.icmp("==", r, r0), em.icmp("==", h, 0))):   # a token's first row here
+            # the cells of the thread's first token, for its heads here and, where the range goes on
+            # into the next token, the heads before (later tokens find the same rows cached)
+            first = b.or_(em.icmp("==", r, r0), b.and_(em.icmp("==", h, 0), em.icmp("<", r, em.add(r0, H))))
+            with em.if_(first):
                 self._prefetch_cells(em, s, t, h, em.min(H, em.add(h, em.sub(r1, r))), 0, d["n_kv"])
             M, S = self._head(em, s, t, h, 0, d["n_kv"], bufs)
             self._finish_row(em, bufs.acc, acc_dt, M, S, s, t, h, fused_sinks=False)
