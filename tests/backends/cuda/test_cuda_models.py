@@ -15,7 +15,7 @@ from llamir_cuda.ptxas import assemble
 import llamir
 from llamir.frontend.placement import PlacementParams
 from llamir.frontend.synth import SynthSpec, write_model
-from llamir.testing.conformance import Case, llama_cpp_logits, llamir_logits
+from llamir.testing.conformance import N_BATCH, N_CTX, PROMPT, Case, llama_cpp_logits, llamir_logits
 
 TOKENS = list(range(5, 45))
 # as for the Vulkan plugin: the device sums in another order (warps, tiles, its own exp), so an
@@ -66,6 +66,71 @@ def test_model_matches_llama_cpp(cuda, conformance_model, arch, dtype):
         assert _nmse(got, want) < (FLOAT_NMSE if dtype in ("f32", "f16") else QUANT_NMSE), (mode, _nmse(got, want))
         if dtype in ("f32", "f16"):
             assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def _cpu_and_device_logits(model, device, mode: str, flash_attn: str, prompt=PROMPT):
+    """Every position's logits of `prompt` fed in `mode` ("batch": one decode; "incremental": a
+    token at a time), on the numpy reference and with every layer on `device`."""
+    rows = []
+    for cpu, devices in (("numpy", []), ("llvm", [device])):
+        placement = PlacementParams(n_gpu_layers=99) if devices else None
+        ctx = llamir.Context(model, n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=N_BATCH, flash_attn=flash_attn,
+                             backend=cpu, devices=devices, placement=placement)
+        feed = [prompt] if mode == "batch" else [[token] for token in prompt]
+        logits, pos = [], 0
+        for tokens in feed:
+            assert ctx.decode(llamir.Batch.from_tokens(list(tokens), pos0=pos, logits="all")) == 0, ctx.last_error
+            logits.append(ctx.get_logits().copy())
+            pos += len(tokens)
+        rows.append(np.concatenate(logits))
+    return rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, arch", MODEL_CASES, ids=[f"{a}-{d}" for d, a in MODEL_CASES])
+def test_gpu_model_matches_the_cpu(gpu_backend, conformance_model, arch, dtype):
+    """On a real GPU, the conformance models with every layer on it: the numpy reference's logits
+    on the same GGUF within the emulator tests' bounds, the prompt at once and token by token,
+    flash attention off and on."""
+    path = conformance_model(Case(arch, dtype, 2, dtype in ("f16", "q4_0")))
+    model = llamir.load_model(path)
+    bound = FLOAT_NMSE if dtype in ("f32", "f16") else QUANT_NMSE
+    for mode in ("batch", "incremental"):
+        for fa in ("off", "on"):
+            want, got = _cpu_and_device_logits(model, gpu_backend, mode, fa)
+            error, argmax = _nmse(got, want), float((got.argmax(-1) == want.argmax(-1)).mean())
+            print(f"gpu conformance {arch}-{dtype} {mode} fa={fa}: nmse {error:.3g} (bound {bound:g}), "
+                  f"argmax agrees {argmax:.0%}")
+            assert error < bound, (mode, fa, error)
+            if dtype in ("f32", "f16"):
+                assert argmax >= 0.95, (mode, fa, argmax)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["q4_0", "q8_0", "f16"])
+def test_gpu_110m_shapes_match_the_cpu(gpu_backend, tmp_path, dtype):
+    """The bench models' shapes (n_embd 768, n_ff 2048, vocab 32000; two of their 12 layers) on a
+    real GPU: a 512-token prompt in one ubatch (tile kernels at full size) and tokens after it,
+    against the LLVM CPU backend. (q4_k is left out: numpy takes half a minute to write it.)"""
+    spec = SynthSpec(arch="llama", n_layer=2, n_embd=768, n_head=12, n_head_kv=12, n_ff=2048, n_vocab=32000,
+                     tied=True, dtype=dtype, seed=1)
+    model = llamir.load_model(write_model(tmp_path / f"big-{dtype}.gguf", spec))
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 32000, 512)]
+    for fa in ("off", "on"):
+        logits = []
+        for devices in ([], [gpu_backend]):
+            ctx = llamir.Context(model, n_ctx=1024, n_batch=512, n_ubatch=512, flash_attn=fa, devices=devices,
+                                 placement=PlacementParams(n_gpu_layers=99) if devices else None)
+            assert ctx.decode(llamir.Batch.from_tokens(prompt, logits="all")) == 0, ctx.last_error
+            rows = [ctx.get_logits().copy()]
+            for i, token in enumerate((5, 17, 123)):
+                assert ctx.decode(llamir.Batch.from_tokens([token], pos0=len(prompt) + i)) == 0, ctx.last_error
+                rows.append(ctx.get_logits_ith(-1)[None].copy())
+            logits.append(np.concatenate(rows))
+        want, got = logits
+        error = _nmse(got, want)
+        print(f"gpu 110m-shape {dtype} fa={fa}: nmse {error:.3g} (bound {QUANT_NMSE:g})")
+        assert error < QUANT_NMSE, (fa, error)
 
 
 @pytest.mark.parametrize("placement", [
