@@ -152,16 +152,17 @@ class Run:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def sh(self, args: list[str], log: str, limit: float, echo: bool = True) -> tuple[int | None, str]:
-        """Run `args` in the repository, its output appended to out/log (and echoed), killed with
-        its process group after `limit` seconds: (exit status or None when killed, output)."""
+    def sh(self, args: list[str], log: str, limit: float, echo: bool = True, **env: str) -> tuple[int | None, str]:
+        """Run `args` in the repository (with `env` added to the environment), its output appended
+        to out/log (and echoed), killed with its process group after `limit` seconds: (exit status
+        or None when killed, output)."""
         limit = max(1.0, min(limit, self.left()))
         started = time.monotonic()
         with open(self.out / log, "a") as f:
             f.write(f"$ {' '.join(args)}   (limit {limit:.0f} s)\n")
             f.flush()
-            proc = subprocess.Popen(args, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, errors="replace", start_new_session=True)
+            proc = subprocess.Popen(args, cwd=REPO, env={**self.env, **env}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
             timer = _Killer(proc, limit)
             lines = []
             for line in proc.stdout:
@@ -178,8 +179,8 @@ class Run:
               f"after {took:.1f} s", flush=True)
         return (None if killed else status), "".join(lines)
 
-    def python(self, *args: str, log: str, limit: float, echo: bool = True):
-        return self.sh([sys.executable, *args], log, limit, echo)
+    def python(self, *args: str, log: str, limit: float, echo: bool = True, **env: str):
+        return self.sh([sys.executable, *args], log, limit, echo, **env)
 
     # -- steps -----------------------------------------------------------------------------------
     def environment(self) -> None:
@@ -240,7 +241,9 @@ class Run:
             args = ["-m", "llamir.cli", "test-backend-ops", "-b", "cuda"]
             for op in todo or ():
                 args += ["-o", op]
-            status, text = self.python(*args, log="backend_ops.log", limit=stop - time.monotonic(), echo=False)
+            # each launch waits for its kernel, so a fault fails the case (and names the kernel) that made it
+            status, text = self.python(*args, log="backend_ops.log", limit=stop - time.monotonic(), echo=False,
+                                       CUDA_LAUNCH_BLOCKING="1")
             results = [(m[2], m[3], m[4], m[1]) for m in CASE_LINE.finditer(text)]  # op, params, status, line
             poisoned = next((i for i, r in enumerate(results) if r[2] == "FAIL" and any(p in r[3] for p in POISON)),
                             None)
