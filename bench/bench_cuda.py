@@ -10,8 +10,9 @@ spilled bytes and static shared memory. With a usable CUDA device (NVIDIA's driv
 then runs with every layer on it (`devices=["cuda"]`, n_gpu_layers=99): prompt (pp) and
 generation (tg) tokens per second, and tg against its roof: the weight bytes a token reads
 (bench_llvm's count) at --bandwidth GB/s (4800 for an H200, its datasheet's figure) and at the
-device-to-device copy bandwidth measured here first (bytes read plus written). Without a device
-the second part prints why and is skipped.
+device-to-device copy bandwidth measured here first (bytes read plus written); and the device's
+own time for a token (its replays timed by events on the stream), against the same roof. Without a
+device the second part prints why and is skipped.
 """
 
 from __future__ import annotations
@@ -59,6 +60,27 @@ def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 10) -> float:
         ctx.free(dst)
 
 
+def device_token_seconds(path: Path, n_prompt: int, n_tokens: int = 32) -> float:
+    """The device's own time for a generated token (its kernels and copies, not the host's work):
+    a context like the bench's takes a prompt and four tokens (the one-token sequence is a CUDA
+    graph from its second run), then `n_tokens` more with the backend's timing events on."""
+    import llamir
+
+    model = llamir.load_model(path)
+    cuda = backend_from_spec("cuda")
+    ctx = llamir.Context(model, n_ctx=n_prompt + n_tokens + 16, n_batch=n_prompt, n_ubatch=n_prompt,
+                         flash_attn="on", devices=[cuda], placement=PlacementParams(n_gpu_layers=99))
+    tokens = [t % model.hparams.n_vocab for t in range(1, n_prompt + n_tokens + 5)]
+    for i, batch in enumerate([tokens[:n_prompt]] + [[t] for t in tokens[n_prompt:]]):
+        if i == 5:
+            cuda.timing = True
+        if ctx.decode(llamir.Batch.from_tokens(batch, pos0=0 if i == 0 else n_prompt + i - 1)) != 0:
+            raise RuntimeError(f"decode failed: {ctx.last_error}")
+    seconds = cuda.device_time() / n_tokens
+    cuda.close()
+    return seconds
+
+
 def run(models: dict[str, Path], arch: str, bandwidth: float, threads: int, n_prompt: int, n_gen: int,
         reps: int, kernels: bool = True) -> dict:
     device = get_registry("cuda").devices()[0]
@@ -76,11 +98,12 @@ def run(models: dict[str, Path], arch: str, bandwidth: float, threads: int, n_pr
         cuda = backend_from_spec("cuda")
         r = bench_llamir(path, backend="llvm", threads=threads, n_prompt=n_prompt, n_gen=n_gen, reps=reps,
                          flash_attn="on", devices=[cuda], placement=PlacementParams(n_gpu_layers=99))
-        cuda.close()
         token_bytes = weight_bytes_per_token(path)
         entry["llamir-cuda"] = {"pp_tps": r.pp_tps, "tg_tps": r.tg_tps, "token_bytes": token_bytes,
                                 "tg_roof_tps": bandwidth * 1e9 / token_bytes,
-                                "tg_copy_roof_tps": report["copy_gbps"] * 1e9 / token_bytes, "run": r.as_dict()}
+                                "tg_copy_roof_tps": report["copy_gbps"] * 1e9 / token_bytes,
+                                "tg_device_s": device_token_seconds(path, n_prompt), "run": r.as_dict()}
+        cuda.close()
         if with_llama_cpp:
             ref = bench_llama_cpp(path, threads=threads, n_prompt=n_prompt, n_gen=n_gen, reps=reps, flash_attn="on")
             entry["llama.cpp"] = {"pp_tps": ref.pp_tps, "tg_tps": ref.tg_tps}
@@ -113,6 +136,10 @@ def table(report: dict) -> str:
             if "llama.cpp" in entry:
                 ref = entry["llama.cpp"]
                 lines.append(f"| llama.cpp (CPU) | {ref['pp_tps']:.1f} | {ref['tg_tps']:.1f} | | | |")
+            if c["tg_device_s"]:
+                lines += ["", f"{name} {tg}: {1e3 / c['tg_tps']:.2f} ms a token, of which the device's own "
+                          f"{c['tg_device_s'] * 1e6:.0f} us ({1 / c['tg_device_s']:.0f} t/s: "
+                          f"{1 / c['tg_device_s'] / c['tg_copy_roof_tps']:.1%} of the copy roof)"]
             lines.append("")
     return "\n".join(lines)
 

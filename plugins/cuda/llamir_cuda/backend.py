@@ -192,6 +192,11 @@ class CudaBackend(Backend):
         self._arena: np.ndarray | None = None  # pinned staging for host -> device copies
         self._arena_used = 0
         self.n_lowered = 0
+        # with `timing`, each replay is recorded between two timing events: device_time() sums them
+        self.timing = False
+        self._timed: list[tuple] = []
+        self._spare_events: list = []
+        self._device_seconds = 0.0
 
     # -- support ------------------------------------------------------------------------------------
     def supports_op(self, node) -> bool:
@@ -248,7 +253,15 @@ class CudaBackend(Backend):
         when `observe` watches every result."""
         if observe is None:
             if work:
-                self._sequence(work).replay(self.stream, self.use_graphs)
+                seq = self._sequence(work)
+                if self.timing:
+                    start, end = (self._spare_events.pop() if self._spare_events else self.ctx.event_new(timing=True)
+                                  for _ in range(2))
+                    self.ctx.event_record(start, self.stream)
+                seq.replay(self.stream, self.use_graphs)
+                if self.timing:
+                    self.ctx.event_record(end, self.stream)
+                    self._timed.append((start, end))
             return True
         for item in work:
             self._sequence([item]).replay(self.stream, use_graphs=False)
@@ -269,6 +282,16 @@ class CudaBackend(Backend):
         done = self.run(work, observe, read)
         self.synchronize()
         return done
+
+    def device_time(self) -> float:
+        """Seconds the device spent running this backend's splits while `timing` was on (each
+        replay between two events on the stream: its kernels and copies, not the host's work)."""
+        self.ctx.stream_synchronize(self.stream)
+        for start, end in self._timed:
+            self._device_seconds += self.ctx.event_elapsed(start, end)
+            self._spare_events += [start, end]
+        self._timed.clear()
+        return self._device_seconds
 
     # -- copies and synchronization ---------------------------------------------------------------
     def set_tensor_async(self, dst: TensorData, data: np.ndarray) -> None:

@@ -14,6 +14,7 @@ device pointer, "i" an int32, "l" an int64, "f" a float32.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,7 +117,12 @@ class DeviceContext(abc.ABC):
     def stream_synchronize(self, stream=None) -> None: ...
 
     @abc.abstractmethod
-    def event_new(self) -> object: ...
+    def event_new(self, timing: bool = False) -> object:
+        """An event; with `timing`, one whose records `event_elapsed` can measure between."""
+
+    def event_elapsed(self, start, end) -> float:
+        """Seconds between the records of two timing events, once `end`'s has completed."""
+        raise DriverError(f"{type(self).__name__} has no timing events")
 
     @abc.abstractmethod
     def event_record(self, event, stream=None) -> None: ...
@@ -144,9 +150,16 @@ class DeviceContext(abc.ABC):
         pass
 
 
+class HostEvent:
+    """An event of an ImmediateStreams context: when it was last recorded, by the host's clock."""
+
+    time: float = 0.0
+
+
 class ImmediateStreams:
     """Streams and events of a context whose copies and launches complete when called (the
-    emulator, the recorder): everything is already in order, so there is nothing to wait for."""
+    emulator, the recorder): everything is already in order, so there is nothing to wait for,
+    and an event's time is the host's when it is recorded."""
 
     def stream_new(self) -> object:
         return object()
@@ -154,11 +167,14 @@ class ImmediateStreams:
     def stream_synchronize(self, stream=None) -> None:
         pass
 
-    def event_new(self) -> object:
-        return object()
+    def event_new(self, timing: bool = False) -> HostEvent:
+        return HostEvent()
 
-    def event_record(self, event, stream=None) -> None:
-        pass
+    def event_record(self, event: HostEvent, stream=None) -> None:
+        event.time = time.perf_counter()
+
+    def event_elapsed(self, start: HostEvent, end: HostEvent) -> float:
+        return end.time - start.time
 
     def event_synchronize(self, event) -> None:
         pass

@@ -13,7 +13,7 @@ import numbers
 import operator
 import os
 import threading
-from ctypes import POINTER, c_char_p, c_int, c_size_t, c_ubyte, c_uint, c_uint64, c_ulonglong, c_void_p
+from ctypes import POINTER, c_char_p, c_float, c_int, c_size_t, c_ubyte, c_uint, c_uint64, c_ulonglong, c_void_p
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +84,7 @@ SIGNATURES: dict[str, tuple] = {
     "cuEventCreate": (POINTER(_HANDLE), c_uint),
     "cuEventRecord": (_HANDLE, _HANDLE),
     "cuEventSynchronize": (_HANDLE,),
+    "cuEventElapsedTime_v2": (POINTER(c_float), _HANDLE, _HANDLE),
     "cuEventDestroy_v2": (_HANDLE,),
     "cuStreamBeginCapture_v2": (_HANDLE, c_int),
     "cuStreamEndCapture": (_HANDLE, POINTER(_HANDLE)),
@@ -396,11 +397,16 @@ class LibCudaContext(DeviceContext):
     def stream_synchronize(self, stream=None) -> None:
         self._enter().call("cuStreamSynchronize", stream)
 
-    def event_new(self) -> int:
+    def event_new(self, timing: bool = False) -> int:
         event = _HANDLE()
-        self._enter().call("cuEventCreate", ctypes.byref(event), CU_EVENT_DISABLE_TIMING)
+        self._enter().call("cuEventCreate", ctypes.byref(event), 0 if timing else CU_EVENT_DISABLE_TIMING)
         self._events.append(event.value)
         return event.value
+
+    def event_elapsed(self, start, end) -> float:
+        milliseconds = c_float()
+        self._enter().call("cuEventElapsedTime_v2", ctypes.byref(milliseconds), start, end)
+        return milliseconds.value / 1e3
 
     def event_record(self, event, stream=None) -> None:
         self._enter().call("cuEventRecord", event, stream)

@@ -174,6 +174,9 @@ def test_kv_cache_in_device_memory_and_sequences_replayed_as_graphs(cuda, model)
         assert ctx.decode(llamir.Batch.from_tokens([tok], pos0=len(TOKENS) + i)) == 0, ctx.last_error
     assert backend.n_lowered - lowered <= 1  # the one-token graph's sequence, lowered once
     assert emu.n_graphs > graphs and emu.n_graph_launches >= 2
+    backend.timing = True  # the device's time of a token's replay, between two events on the stream
+    assert ctx.decode(llamir.Batch.from_tokens([tokens[-1]], pos0=len(TOKENS) + 4)) == 0, ctx.last_error
+    assert backend.device_time() > 0 and not backend._timed
     # the same tokens with graphs off
     ctx2 = llamir.Context(model, n_ctx=256, flash_attn="off", devices=["cuda:0:graphs=off"],
                           placement=PlacementParams(n_gpu_layers=99))

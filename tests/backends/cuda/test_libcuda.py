@@ -200,7 +200,7 @@ _HANDLES = {"CUcontext", "CUmodule", "CUfunction", "CUstream", "CUevent", "CUgra
 _C_TYPES = {"int": ctypes.c_int, "unsigned int": ctypes.c_uint, "unsigned char": ctypes.c_ubyte,
             "unsigned long long": ctypes.c_ulonglong, "size_t": ctypes.c_size_t, "CUdeviceptr": ctypes.c_uint64,
             "CUdevice": ctypes.c_int, "CUresult": ctypes.c_int, "CUdevice_attribute": ctypes.c_int,
-            "CUstreamCaptureMode": ctypes.c_int, "CUjit_option": ctypes.c_int}
+            "CUstreamCaptureMode": ctypes.c_int, "CUjit_option": ctypes.c_int, "float": ctypes.c_float}
 
 
 def _ctype_of(declaration: str):
@@ -446,6 +446,21 @@ def test_gpu_a_stream_waits_for_an_event_of_another(gpu):
     assert np.all(out == 7)
     gpu.free(source)
     gpu.free(target)
+
+
+@pytest.mark.gpu
+def test_gpu_timing_events_measure_the_work_between_them(gpu):
+    nbytes = 1 << 30
+    stream, ptr = gpu.stream_new(), gpu.alloc(nbytes)
+    start, end = gpu.event_new(timing=True), gpu.event_new(timing=True)
+    gpu.event_record(start, stream)
+    for value in range(8):
+        gpu.memset_async(ptr, value, nbytes, stream)
+    gpu.event_record(end, stream)
+    gpu.event_synchronize(end)
+    seconds = gpu.event_elapsed(start, end)
+    assert 8 * nbytes / 10e12 < seconds < 1.0  # 8 GiB written: no device writes 10 TB/s
+    gpu.free(ptr)
 
 
 def _upload(gpu, values: np.ndarray, stream=None) -> int:
