@@ -10,7 +10,7 @@ import pytest
 from llamir.backends import get_backend, get_registry
 
 # "emulator": the `gpu` model tests run on the emulator instead, to try them (and fill the PTX
-# cache's kernel list) on a machine without a GPU; see plugins/cuda/gpu_check.py
+# cache's kernel list) on a machine without a GPU; see bench/gpu_check_cuda.py
 GPU_TESTS_DRIVER = "LLAMIR_CUDA_GPU_TESTS"
 
 

@@ -5,8 +5,8 @@ The GPU machine this project is sometimes lent (an H200 with NVIDIA's driver, Py
 package registry, minutes of device time) gets a copy of the repository and the folder that
 `prepare` fills:
 
-    python plugins/cuda/gpu_check.py prepare --dir .device          # here, no GPU needed
-    python3 plugins/cuda/gpu_check.py run --dir .device --out "$OUT" --budget 360   # there
+    python bench/gpu_check_cuda.py prepare --dir .device          # here, no GPU needed
+    python3 bench/gpu_check_cuda.py run --dir .device --out "$OUT" --budget 360   # there
 
 prepare writes into --dir:
   - llvmlite (this machine's version: llamir's LLVM) for the GPU machine's Python, as a .tar.xz
@@ -45,7 +45,7 @@ import time
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 WHEELS = ("gguf", "platformdirs")  # llamir's dependencies a GPU image may lack (llguidance is lazy)
 MANYLINUX = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 BENCH_MODELS = "big-q4_0,big-q8_0"
