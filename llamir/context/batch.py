@@ -116,9 +116,12 @@ def flag_array(name: str, value) -> np.ndarray:
 def seq_id_lists(name: str, value) -> list[tuple[int, ...]]:
     """One tuple of sequence ids per token; a token given a single id gets a one-id tuple."""
     out = []
+    checked = None      # the last canonical tuple: a batch repeats one (Batch.from_tokens), checked once
     for i, ids in enumerate(value if type(value) is list else _items(name, value)):
-        if type(ids) is tuple and all(type(s) is int and I32_MIN <= s <= I32_MAX for s in ids):
-            pass                                   # already canonical: the common, fast case
+        if ids is checked:
+            pass
+        elif type(ids) is tuple and all(type(s) is int and I32_MIN <= s <= I32_MAX for s in ids):
+            checked = ids                          # already canonical: the common, fast case
         elif is_integer(ids):
             ids = (_int32_at(name, i, ids),)
         else:
