@@ -143,7 +143,8 @@ def _kernel_asm(target, profile: str, dtype, m: int, n: int, k: int) -> str:
 
 
 def _hot_loops(asm: str) -> list[list[str]]:
-    """Bodies of the loops (a label to the backward branch to it) holding at least 8 fmas."""
+    """Bodies of the loops (a label to the backward branch to it) holding at least 4 fmas (one
+    row's vec_dot step: an f16 gemv on AVX2 takes its rows one at a time)."""
     lines = asm.splitlines()
     loops = []
     for i, line in enumerate(lines):
@@ -155,7 +156,7 @@ def _hot_loops(asm: str) -> list[list[str]]:
                 break
             if re.search(rf"\bj\w+\s+{re.escape(label.group(1))}$", lines[j]):
                 body = lines[i:j + 1]
-                if sum("vfmadd" in x for x in body) >= 8:
+                if sum("vfmadd" in x for x in body) >= 4:
                     loops.append(body)
                 break
     return loops

@@ -47,7 +47,7 @@ class FloatTiles:
     rn: b rows per register tile (RM weight rows); l2_budget: bytes of b rows per n-block;
     k_chunk: K values per pass over an n-block at most (RM weight rows and rn b rows of it stay
     in L1; K is cut in equal chunks);
-    dot_rows: weight rows sharing each b load in the vec_dot order."""
+    dot_rows: weight rows sharing each b load in the vec_dot order (f16 rows one at a time on AVX2)."""
 
     acc_lanes: int
     width: int
@@ -77,6 +77,10 @@ def float_tiles(em: Emitter, a_dtype: str) -> FloatTiles:
     dot_parts = max(1, -(-dot_lanes // target_lanes))
     n_acc = 2 if dp else 4
     dot_rows = next(r for r in (4, 2, 1) if r == 1 or (r + 1) * n_acc * dot_parts + 1 <= regs)
+    if a_dtype == "f16" and regs == 16:
+        # an f16 gemv on AVX2 streams one weight row at a time: two rows sharing each b load read
+        # slower (real Zen 2, big-f16 a token 11.7 -> 10.1 ms; f32 rows keep their pairs)
+        dot_rows = 1
     l1_rows = RM + rn           # a chunk of RM weight rows and rn b rows in 24 KiB (32 with AVX-512)
     k_chunk = ((32 << 10) if regs == 32 else (24 << 10)) // (4 * l1_rows)
     return FloatTiles(acc, width, rn, (1 << 20) if em.target.avx512 else (1 << 18), k_chunk, dot_rows)
