@@ -230,13 +230,12 @@ class _Rows:
         half = self.halves[0]
         return None if half.unpacked is not None else self.em.gep(half.wg, self.em.mul(k, self.fmt.block_bytes))
 
-    def _prefetch(self, k) -> None:
-        """The super-block after k into L2, once per super-block, where a super-block is longer
+    def _prefetch(self, stream) -> None:
+        """The super-block after `stream`'s into L2, once per super-block, where a super-block is longer
         than the prefetch distance (see Emitter.prefetch_ahead). Into L1, each sub-block (or
         32-value block) prefetches its share of the lines as it goes: a whole super-block's lines
         at once (within AMD Zen's 4 KiB) stalled the stream on the line-fill buffers (Zen 2,
         big-q4_k, the repacked gemv: 6.2-6.7 -> 4.2-4.5 ms a token with the lines spread)."""
-        stream = self._stream(k)
         if stream is not None and self.fmt.block_bytes > self.em.target.prefetch_distance:
             self.em.prefetch_ahead(stream, self.fmt.block_bytes)
 
@@ -292,16 +291,16 @@ class _Rows:
         acc = [[em.var(V8F, fzero) for _ in rows] for _ in self.halves]
         isum = [[em.var(V8I) for _ in rows] for _ in self.halves]
         span = self.ps.gemm_span_subs[fmt.dtype] if mode == "gemm" else fmt.subs
+        share = fmt.block_bytes // fmt.subs     # one sub-block's part of the super-block's lines
         with em.loop(0, p.nb, name="sblk") as k:
-            self._prefetch(k)
             stream = self._stream(k)
+            self._prefetch(stream)
             blocks = [half.blocks(k) for half in self.halves]
             with em.loop(0, fmt.subs // span, name="span") as sp:
                 for slot in (x for per_half in isum for x in per_half):
                     em.set(slot, izero)
                 with em.loop(em.mul(sp, span), em.mul(em.add(sp, 1), span), name="sub") as s:
                     if stream is not None:       # the sub-block's share of the lines, into L1
-                        share = fmt.block_bytes // fmt.subs
                         em.prefetch_ahead(stream, share, em.mul(s, share))
                     for (qb, sb, _), sums in zip(blocks, isum, strict=True):
                         self._sub_block(qb, sb, rows, k, s, sums)
@@ -390,9 +389,9 @@ class _Rows:
         lane_vars = [em.var(V8I) for _ in range(8)]
         xr = p._row(nt)
         with em.loop(0, p.nb, name="sblk") as k:
-            self._prefetch(k)
-            dx = p._d(xr, k)
             stream = self._stream(k)
+            self._prefetch(stream)
+            dx = p._d(xr, k)
             for i, (half, accs, accms) in enumerate(zip(self.halves, acc, accm, strict=True)):
                 self._lane_super_block(half.blocks(k), xr, k, dx, lane_vars, accs, accms, stream if i == 0 else None)
         for half, accs, accms in zip(self.halves, acc, accm, strict=True):

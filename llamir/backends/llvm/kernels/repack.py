@@ -209,17 +209,17 @@ class PackedWeights:
         token, big-q8_0 6.6 -> 6.2, big-q4_k 4.5 -> 4.3). The arena lives while any weight in it does."""
         with self._lock:
             keys = [key for key in dict.fromkeys(keys) if key in self._cache]
-            size = sum(-(-self._cache[key][1].nbytes // 64) * 64 for key in keys)
-            if size < HUGE_PAGE:
+            spans = [-(-self._cache[key][1].nbytes // 64) * 64 for key in keys]   # each on a cache line
+            if sum(spans) < HUGE_PAGE:
                 return
-            arena = np.empty(size + HUGE_PAGE, dtype=np.uint8)
+            arena = np.empty(sum(spans) + HUGE_PAGE, dtype=np.uint8)
             at = -arena.__array_interface__["data"][0] % HUGE_PAGE
-            for key in keys:      # each packed copy is freed as soon as it has moved
+            for key, span in zip(keys, spans, strict=True):   # each packed copy is freed as soon as it has moved
                 ref, packed = self._cache[key]
                 view = arena[at:at + packed.nbytes].view(packed.dtype).reshape(packed.shape)
                 view[...] = packed
                 self._cache[key] = (ref, view)
-                at += -(-packed.nbytes // 64) * 64
+                at += span
 
     @staticmethod
     def _key(raw: np.ndarray, fmt) -> tuple:
