@@ -64,31 +64,40 @@ class _Rows:
 def _one_chunk(scores: np.ndarray, mask: np.ndarray | None, v: np.ndarray, cells: range, scale: f32,
                softcap: float, rows: _Rows) -> None:
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk's cell loop over `cells` for every row:
-    scores [R, n] raw dots, mask [R, n] slope*mask (or None), v [n, dv] f32 values."""
+    scores [R, n] raw dots, mask [R, n] slope*mask (or None), v [n, dv] f32 values.
+
+    The scores, the running maximum and both expf of every cell depend on the scores alone, so
+    they are computed for all cells at once (element-wise: the same bits as cell by cell); only
+    the sum S and the accumulator, rounded after every cell, are walked cell by cell."""
     f16_acc = rows.acc.dtype == np.float16
+    sl = slice(cells.start, cells.stop)
+    n_rows = scores.shape[0]
+    mv = mask[:, sl] if mask is not None else np.zeros((n_rows, len(cells)), dtype=f32)
+    live = mv != -np.inf
     with np.errstate(invalid="ignore", over="ignore"):
-        for c in cells:
-            mv = mask[:, c:c + 1] if mask is not None else f32(0)
-            live = mv != -np.inf
-            if not np.any(live):
-                continue
-            if softcap:
-                s = f32(softcap) * ggml_math.tanhf(scores[:, c:c + 1] * scale) + mv
-            else:   # s = s*scale; s += mv: GCC fuses the two into one fma
-                s = ggml_math.fma(scores[:, c:c + 1], scale, mv)
-            grow = live & (s > rows.M)
-            ms = np.where(grow, _expf(rows.M - s), f32(1))
-            vs = np.where(grow | ~live, f32(1), _expf(s - rows.M))
-            rows.M = np.where(grow, s, rows.M)
+        if softcap:
+            s = f32(softcap) * ggml_math.tanhf(scores[:, sl] * scale) + mv
+        else:   # s = s*scale; s += mv: GCC fuses the two into one fma
+            s = ggml_math.fma(scores[:, sl], scale, mv)
+        # M before each cell: the running maximum of the live scores (a NaN score never grows it)
+        running = np.fmax.accumulate(np.concatenate([rows.M, np.where(live, s, -np.inf)], axis=1), axis=1)
+        before = running[:, :-1]
+        grow = live & (s > before)
+        ms_all = np.where(grow, _expf(before - s), f32(1))
+        vs_all = np.where(grow | ~live, f32(1), _expf(s - before))
+        rows.M = running[:, -1:].astype(f32)
+        for i in np.flatnonzero(live.any(axis=0)):
+            c = cells.start + i
+            g, lv, ms, vs = grow[:, i:i + 1], live[:, i:i + 1], ms_all[:, i:i + 1], vs_all[:, i:i + 1]
             acc = rows.acc.astype(f32)
             if f16_acc:   # ggml_vec_scale_f16, then ggml_vec_mad_f16: each result rounded to f16
-                acc = np.where(grow, (acc * ms).astype(np.float16).astype(f32), acc)
+                acc = np.where(g, (acc * ms).astype(np.float16).astype(f32), acc)
                 new = ggml_math.fma(v[c], vs, acc).astype(np.float16)
             else:
-                acc = np.where(grow, acc * ms, acc)
+                acc = np.where(g, acc * ms, acc)
                 new = ggml_math.fma(v[c], vs, acc)
-            rows.acc = np.where(live, new, rows.acc)
-            rows.S = np.where(live, ggml_math.fma(rows.S, ms, vs), rows.S)
+            rows.acc = np.where(lv, new, rows.acc)
+            rows.S = np.where(lv, ggml_math.fma(rows.S, ms, vs), rows.S)
 
 
 def _sinks(rows: _Rows, sinks: np.ndarray, acc: np.ndarray, fused: bool) -> np.ndarray:
@@ -119,11 +128,15 @@ def _tiled(q: np.ndarray, k32: np.ndarray, v32: np.ndarray, mask: np.ndarray | N
     S = np.zeros((n_rows, 1), dtype=f32)
     acc = np.zeros((n_rows, dv), dtype=f32)
     with np.errstate(invalid="ignore", over="ignore"):
+        # simd_gemm: one fma chain per score; every tile's chains at once (each score's chain alone
+        # decides its bits)
+        kq_all = np.zeros((n_rows, n_kv), dtype=f32)
+        for d in range(dk):
+            kq_all = ggml_math.fma(q[:, d:d + 1], k32[None, :, d], kq_all)
         for ic in range(0, n_kv, TILE):
             width = min(TILE, n_kv - ic)
             kq = np.zeros((n_rows, TILE), dtype=f32)
-            for d in range(dk):                       # simd_gemm: one fma chain per score
-                kq[:, :width] = ggml_math.fma(q[:, d:d + 1], k32[None, ic:ic + width, d], kq[:, :width])
+            kq[:, :width] = kq_all[:, ic:ic + width]
             kq = kq * scale
             if softcap:
                 kq = ggml_math.tanhf(kq) * f32(softcap)
