@@ -36,36 +36,47 @@ def _hex32(s: str) -> np.float32:
 
 # -- exact float32 fused multiply-add ----------------------------------------------------------
 _LOW29, _MIDPOINT_BIT = u64((1 << 29) - 1), u64(1 << 28)
-_ABS64 = u64((1 << 63) - 1)
-_F32_SUBNORMAL_BITS = u64((1023 - 126) << 52)   # float64 bits of 2^-126
+_F32_MIN_NORMAL = f32(2.0**-126)
 
 
 def fma(a, b, c) -> np.ndarray:
     """float32 a*b + c with a single rounding (vfmadd): exact through float64.
 
     a*b is exact in float64; the one float64 rounding of the sum can only mislead the float32
-    rounding when it lands exactly halfway between two float32 values, which is fixed up from
-    the sum's exact error (TwoSum)."""
+    rounding when it lands exactly halfway between two float32 values. Those sums (a normal
+    float32 midpoint has 25 significant bits; float32-subnormal results are checked whole) get
+    the exact error of the float64 sum (TwoSum), and the few with a nonzero one are rounded
+    towards it."""
     a, b, c = (np.asarray(v, dtype=f32) for v in (a, b, c))
+    shape = np.broadcast_shapes(a.shape, b.shape, c.shape) or (1,)
     with np.errstate(invalid="ignore", over="ignore"):
-        s = np.broadcast_to(a, np.broadcast_shapes(a.shape, b.shape, c.shape) or (1,)).astype(f64)
-        s *= b   # in place: far faster than ufuncs with dtype=f64 on mixed inputs
-        s += c
+        p = np.empty(shape, dtype=f64)
+        p[...] = a
+        p *= b   # in place: far faster than ufuncs with dtype=f64 on mixed inputs
+        s = np.empty(shape, dtype=f64)
+        s[...] = c
+        s += p
         out = s.astype(f32)
-        bits = s.view(u64)
-        # a normal float32 midpoint has 25 significant bits; float32-subnormal sums are rare
-        maybe_tie = ((bits & _LOW29) == _MIDPOINT_BIT) | (((bits & _ABS64) - u64(1)) < _F32_SUBNORMAL_BITS)
-        if np.any(maybe_tie):
-            at = np.nonzero(maybe_tie)
-            p_t = np.broadcast_to(a.astype(f64) * b, s.shape)[at]
-            s_t, c_t = s[at], np.broadcast_to(c, s.shape)[at].astype(f64)
+        maybe_tie = (s.view(u64) & _LOW29) == _MIDPOINT_BIT
+        magnitude = np.abs(out)
+        if out.size and not magnitude.min() > _F32_MIN_NORMAL:    # (a NaN anywhere takes this path too)
+            maybe_tie |= (magnitude <= _F32_MIN_NORMAL) & (s != 0)
+        at = np.flatnonzero(maybe_tie)
+        if at.size:
+            s_t, p_t = s.reshape(-1)[at], p.reshape(-1)[at]
+            c_t = (c.reshape(-1)[at] if c.shape == shape and c.flags.c_contiguous
+                   else np.broadcast_to(c, shape)[np.unravel_index(at, shape)]).astype(f64)
             t = s_t - p_t
             err = (p_t - (s_t - t)) + (c_t - t)               # exact: p + c == s + err
-            r = out[at]
-            below = np.where(r.astype(f64) < s_t, r, np.nextafter(r, f32(-np.inf)))
-            above = np.where(r.astype(f64) > s_t, r, np.nextafter(r, f32(np.inf)))
-            is_mid = (r.astype(f64) != s_t) & ((below.astype(f64) + above.astype(f64)) * 0.5 == s_t)
-            out[at] = np.where(is_mid & (err > 0), above, np.where(is_mid & (err < 0), below, r))
+            lost = err != 0
+            if lost.any():
+                at, s_t, err = at[lost], s_t[lost], err[lost]
+                flat = out.reshape(-1)
+                r = flat[at]
+                below = np.where(r.astype(f64) < s_t, r, np.nextafter(r, f32(-np.inf)))
+                above = np.where(r.astype(f64) > s_t, r, np.nextafter(r, f32(np.inf)))
+                is_mid = (r.astype(f64) != s_t) & ((below.astype(f64) + above.astype(f64)) * 0.5 == s_t)
+                flat[at] = np.where(is_mid, np.where(err > 0, above, below), r)
     return out
 
 

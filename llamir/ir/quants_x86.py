@@ -93,21 +93,24 @@ def mul_mat(w: PreparedWeight, b_q: np.ndarray, b_d: np.ndarray, b_s: np.ndarray
     bq = b_q.reshape(n, nb, 8, 4)
     out = np.empty((n, m), dtype=f32)
     step = max(1, _ROW_CHUNK // max(1, m * 8 * nb))
+    if not w.repacked:
+        w_lanes = np.ascontiguousarray(w.q.transpose(1, 2, 3, 0))          # [nb, 8, 4, M]
     for n0 in range(0, n, step):
         sl = slice(n0, n0 + step)
-        scale = (b_d[sl][:, None, :] * w.d[None, :, :]).astype(f32)         # [n, m, nb]
+        scale = (b_d[sl].T[:, :, None] * w.d.T[:, None, :]).astype(f32)     # [nb, n, m]
         if w.repacked:  # one integer sum per block, one f32 accumulator per output
-            isum = np.einsum("nbls,mbls->nmb", bq[sl], w.q, optimize=True)
-            acc1 = np.zeros(isum.shape[:2], dtype=f32)
+            isum = np.einsum("nbls,mbls->bnm", bq[sl], w.q, optimize=True)
+            acc1 = np.zeros(isum.shape[1:], dtype=f32)
             for blk in range(nb):
-                acc1 = _fma(isum[:, :, blk], scale[:, :, blk], acc1)
+                acc1 = _fma(isum[blk], scale[blk], acc1)
             out[sl] = acc1
             continue
-        lanes = np.einsum("nbls,mbls->nmbl", bq[sl], w.q, optimize=True)   # exact integer sums
-        acc = np.zeros(lanes.shape[:2] + (8,), dtype=f32)
+        b_lanes = np.ascontiguousarray(bq[sl].transpose(1, 2, 0, 3))       # [nb, 8, n, 4]
+        acc = np.zeros((8,) + scale.shape[1:], dtype=f32)                   # lane-major [8, n, m]
         for blk in range(nb):
-            acc = _fma(scale[:, :, blk, None], lanes[:, :, blk, :], acc)
-        total = _hsum8(acc)
+            lanes = np.matmul(b_lanes[blk], w_lanes[blk])                    # exact integer sums
+            acc = _fma(scale[blk], lanes, acc)
+        total = _hsum8(np.moveaxis(acc, 0, -1))
         if w.m is not None:
             summs = np.zeros(total.shape, dtype=f32)
             for blk in range(nb):

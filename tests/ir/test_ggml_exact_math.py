@@ -43,6 +43,16 @@ def test_fma_breaks_float64_ties_by_the_lost_bits(scale):
     assert ggml_math.fma(a, b, -tiny)[0] == (down if scale > 0 else up)
 
 
+def test_fma_breaks_float64_ties_of_float32_subnormal_results():
+    """641 * 6700417 = 2^32 + 1: a*b = 2^-150 + 2^-182, whose last bit float64 loses beside
+    c = 2^-128, leaving a tie between two float32 subnormals that the lost bit decides."""
+    a, b = f32(641 * 2.0**-100), f32(6700417 * 2.0**-82)
+    c = np.array([2.0**-128, -2.0**-128, 2.0**-128 + 2.0**-148, 0.0], dtype=f32)
+    got = ggml_math.fma(np.array([a, a, -a, a]), b, c)
+    want = [2.0**-128 + 2.0**-149, -2.0**-128 + 2.0**-149, 2.0**-128 + 2.0**-149, 2.0**-149]
+    np.testing.assert_array_equal(got, np.array(want, dtype=f32))
+
+
 @pytest.fixture(scope="module")
 def glibc_libm():
     path = ctypes.util.find_library("m")
