@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -502,6 +502,12 @@ class Backend(abc.ABC):
     # -- execution -------------------------------------------------------------------------------
     def compile(self, graph: Graph) -> Executable:
         raise BackendError(f"backend {self.name} cannot compile whole graphs")
+
+    def precompile(self, graphs: Iterable[Graph]) -> int:
+        """Prepare the code of many graphs ahead, in one batch where the backend can share or
+        parallelise the work, so that compile() of each is quick; errors are left for compile()
+        to report. Returns the number of modules prepared (0: nothing to prepare ahead)."""
+        return 0
 
     def graph_compute(
         self, run: SplitRun, memory: SplitMemory, observe: Callable[[Node, np.ndarray], bool] | None = None

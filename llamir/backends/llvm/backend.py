@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
@@ -93,6 +94,16 @@ def _copy_graph(graph: Graph) -> Graph:
     return copy
 
 
+def _or_nothing(job: Callable[[], bytes]) -> Callable[[], bytes]:
+    """`job`, giving no object (b"") where it raises: precompile leaves the error to compile()."""
+    def run() -> bytes:
+        try:
+            return job()
+        except Exception:  # noqa: BLE001 - reported by compile(), for the graph it belongs to
+            return b""
+    return run
+
+
 def _compile_weight(kernel) -> int:
     """Which kernels to start compiling first (the workers take them in order): matmuls and
     attention are the big modules."""
@@ -169,10 +180,8 @@ class LLVMBackend(Backend):
             raise BackendError(f"backend llvm cannot run: {names}")
         stats = CompileStats(history=self.compile_stats.history)
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        text = print_graph(graph)
         passes = "" if observe_variant else self.passes
-        variant = ("observe|" if observe_variant else "") + f"{self.numerics}|" + passes
-        entry_key = self.cache.key(hashlib.sha256(text.encode()).hexdigest(), self.target.key, variant)
+        entry_key = self._entry_key(graph, observe_variant)
         loaded = self.cache.loaded_split(f"{entry_key}|{self.n_threads}")
         if loaded is not None:            # the same graph again (a new context on the same model)
             g, plan, tracker, addrs, n_kernels = loaded
@@ -192,10 +201,14 @@ class LLVMBackend(Backend):
         self._executables.add(exe)
         return exe
 
-    def _build(self, graph: Graph, passes: str, observe_variant: bool, entry_key: str, stats: CompileStats):
-        """Lower (a copy of) `graph`, get the object code of its kernels and entry (from
-        the cache, or compiled in parallel), and link them."""
-        t0 = time.perf_counter()
+    def _entry_key(self, graph: Graph, observe_variant: bool) -> str:
+        passes = "" if observe_variant else self.passes
+        variant = ("observe|" if observe_variant else "") + f"{self.numerics}|" + passes
+        return self.cache.key(hashlib.sha256(print_graph(graph).encode()).hexdigest(), self.target.key, variant)
+
+    def _lower(self, graph: Graph, passes: str, observe_variant: bool, entry_key: str):
+        """Lower (a copy of) `graph`: (graph, plan, module builder, kernels, cache keys of the
+        kernels and then of the entry)."""
         g = _copy_graph(graph)
         decompose(g, self.support.claims)
         if passes:
@@ -207,23 +220,36 @@ class LLVMBackend(Backend):
             lowerer.keep_values = True
         plan = lowerer.run()
         builder = ModuleBuilder(plan, self.target, name=g.name)
-        t1 = time.perf_counter()
-        stats.plan_s = t1 - t0
         kernels = builder.distinct_kernels()
         keys = [self.cache.key(kernel_symbol(k), self.target.key, "kernel") for k in kernels] + [entry_key]
+        return g, plan, builder, kernels, keys
+
+    def _jobs(self, g: Graph, builder: ModuleBuilder, kernels: list, missing: list[int]):
+        """(weight, name, job) of each missing module: index i < len(kernels) is that kernel, the
+        last index the entry (straight-line calls: no pass pipeline, fast instruction selection)."""
+        target = self.target
+
+        def job(i: int):
+            if i == len(kernels):
+                return lambda: optimize_and_emit(builder.build(), target, speed_level=0, codegen_opt=0)
+            return lambda: optimize_and_emit(kernel_module(kernels[i], target), target)
+
+        return [(_compile_weight(kernels[i]) if i < len(kernels) else -1,
+                 kernel_symbol(kernels[i]) if i < len(kernels) else f"entry of {g.name}", job(i)) for i in missing]
+
+    def _build(self, graph: Graph, passes: str, observe_variant: bool, entry_key: str, stats: CompileStats):
+        """Lower `graph`, get the object code of its kernels and entry (from the cache, or
+        compiled in parallel), and link them."""
+        t0 = time.perf_counter()
+        g, plan, builder, kernels, keys = self._lower(graph, passes, observe_variant, entry_key)
+        t1 = time.perf_counter()
+        stats.plan_s = t1 - t0
         objects: list[bytes | None] = [self.cache.get(key) for key in keys]
         todo = [i for i, obj in enumerate(objects) if obj is None]
         if todo:
-            target = self.target
-
-            def job(i: int):
-                if i == len(kernels):      # the entry: straight-line calls, fast instruction selection
-                    return lambda: optimize_and_emit(builder.build(), target, speed_level=0, codegen_opt=0)
-                return lambda: optimize_and_emit(kernel_module(kernels[i], target), target)
-
             todo.sort(key=lambda i: -_compile_weight(kernels[i]) if i < len(kernels) else 0)
-            names = [kernel_symbol(kernels[i]) if i < len(kernels) else f"entry of {g.name}" for i in todo]
-            compiled = compile_jobs([job(i) for i in todo], self.compile_workers, names)
+            jobs = self._jobs(g, builder, kernels, todo)
+            compiled = compile_jobs([job for _, _, job in jobs], self.compile_workers, [name for _, name, _ in jobs])
             stats.in_workers = can_fork() and min(self.compile_workers, len(todo)) > 1
             for i, (obj, seconds, cpu_seconds) in zip(todo, compiled, strict=True):
                 self.cache.put(keys[i], obj)
@@ -237,6 +263,38 @@ class LLVMBackend(Backend):
         tracker, addrs = load_object(self.target, [objects[-1]] + objects[:-1], [ENTRY, ARENA_SIZE])
         stats.link_s = time.perf_counter() - t2
         return g, plan, tracker, addrs, len(kernels)
+
+    def precompile(self, graphs: Iterable[Graph]) -> int:
+        """Compile the kernels and entries of many graphs ahead, all in one batch in the worker
+        processes, into the compile cache: compile() of each graph then only lowers and links.
+        What test-backend-ops does before its hundreds of one-kernel graphs, each too small to
+        keep two compiler processes busy. A graph that cannot be lowered is left for its
+        compile() to report; if the batch fails, compile() compiles (and reports) one graph at a
+        time. Returns the number of modules compiled."""
+        pending: dict[str, tuple[int, str, Callable[[], bytes]]] = {}
+        for graph in graphs:
+            if any(not n.op.is_view and not self.supports_op(n) for n in graph.nodes):
+                continue
+            try:
+                entry_key = self._entry_key(graph, False)
+                if self.cache.loaded_split(f"{entry_key}|{self.n_threads}") is not None:
+                    continue
+                g, _, builder, kernels, keys = self._lower(graph, self.passes, False, entry_key)
+            except Exception:  # noqa: BLE001 - whatever lowering raises, compile() raises it again and names it
+                continue
+            missing = [i for i, key in enumerate(keys) if key not in pending and self.cache.get(key) is None]
+            for i, job in zip(missing, self._jobs(g, builder, kernels, missing), strict=True):
+                pending[keys[i]] = job
+        order = sorted(pending, key=lambda key: -pending[key][0])
+        try:
+            compiled = compile_jobs([_or_nothing(pending[key][2]) for key in order], self.compile_workers,
+                                    [pending[key][1] for key in order])
+        except CodegenError:     # a worker killed by LLVM: compile() meets it again, for its own graph
+            return 0
+        done = [(key, obj) for key, (obj, _, _) in zip(order, compiled, strict=True) if obj]
+        for key, obj in done:
+            self.cache.put(key, obj)
+        return len(done)
 
     def close(self) -> None:
         if self._pool is not None:

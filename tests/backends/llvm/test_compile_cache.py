@@ -21,8 +21,8 @@ needs_fork = pytest.mark.skipif(not can_fork(), reason="compiles run in forked p
 rng = np.random.default_rng(5)
 
 
-def _graph(act: str = "silu", n: int = 40):
-    b = GraphBuilder("g", dims=["T"])
+def _graph(act: str = "silu", n: int = 40, name: str = "g"):
+    b = GraphBuilder(name, dims=["T"])
     x, w = b.input("x", ["T", n], F32), b.weight("w", [n], F32)
     h = b.op(ops.RmsNormMul(eps=1e-5), x, w, name="norm")
     y = b.mul_mat(b.weight("m", [16, n], F16), h)
@@ -117,6 +117,34 @@ def test_kernels_are_shared_between_graphs_through_the_cache(tmp_path):
     assert first.compile_stats.cache == "miss (1 new kernels)" and first.compile_stats.n_kernels == n_kernels
     values = _values(3)
     np.testing.assert_array_equal(exe(values, {"T": 3})["y"], run_graph(other, values, {"T": 3})["y"])
+    LLVMBackend._shared_caches.clear()
+
+
+@needs_fork
+def test_precompile_builds_many_graphs_code_in_one_batch(tmp_path, monkeypatch):
+    """What test-backend-ops does first: every graph's kernels and entry compiled together in the
+    workers; compile() then lowers and links only. A graph it cannot lower is left to compile()."""
+    lowerer = backend_module.Lowerer
+
+    def picky(g, *args, **kwargs):
+        if g.name == "bad":
+            raise ValueError("no lowering for this one")
+        return lowerer(g, *args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "Lowerer", picky)
+    be = LLVMBackend(n_threads=1, cache_dir=tmp_path, compile_workers=2)
+    graphs = [_graph("silu"), _graph("gelu", name="g2"), _graph("silu", n=48, name="g3")]
+    assert be.precompile([*graphs, _graph(name="bad")]) >= 5   # >= 2 kernels, 3 entries
+    batches = []
+    monkeypatch.setattr(backend_module, "compile_jobs", lambda jobs, *a, **k: batches.append(jobs) or [])
+    for g in graphs:
+        exe = be.compile(g)
+        assert be.compile_stats.cache == "hit"
+        values = _values(5, 48 if g.name == "g3" else 40)
+        np.testing.assert_array_equal(exe(values, {"T": 5})["y"], run_graph(g, values, {"T": 5})["y"])
+    assert not batches and be.precompile(graphs) == 0
+    with pytest.raises(BackendError, match="no lowering for this one"):
+        be.compile(_graph(name="bad"))
     LLVMBackend._shared_caches.clear()
 
 
