@@ -110,19 +110,19 @@ def emit_ptx(model_path: str | Path, arch: str, out: str | Path, check: bool = F
              n_ubatch: int = 512) -> list[dict]:
     """Write one PTX file per kernel into `out` (and index.json); with `check`, assemble each
     with ptxas for `arch` and record its registers and spills."""
-    from llamir_cuda.ptxas import check_kernel
+    from llamir_cuda.ptxas import check_kernels
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    kernels = model_kernels(model_path, arch, n_ubatch)
     rows = []
-    for kernel in model_kernels(model_path, arch, n_ubatch):
+    for kernel in kernels:
         path = out / f"{kernel.name}.ptx"
         path.write_text(kernel.ptx(arch))
-        row = {"kernel": kernel.name, "file": path.name, "block": list(kernel.block), "key": repr(kernel.key)}
-        if check:
-            r = check_kernel(kernel, arch)
+        rows.append({"kernel": kernel.name, "file": path.name, "block": list(kernel.block), "key": repr(kernel.key)})
+    if check:
+        for row, r in zip(rows, check_kernels(kernels, [arch]), strict=True):
             row.update(registers=r.registers, spill_stores=r.spill_stores, spill_loads=r.spill_loads,
                        stack_bytes=r.stack_bytes, shared_bytes=r.shared_bytes)
-        rows.append(row)
     (out / "index.json").write_text(json.dumps({"model": str(model_path), "arch": arch, "kernels": rows}, indent=1))
     return rows

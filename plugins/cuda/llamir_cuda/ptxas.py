@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,9 +115,27 @@ def check_kernel(kernel, arch: str, ptxas: str | None = None) -> PtxasReport:
     return reports[0]
 
 
+def check_kernels(kernels, archs, ptxas: str | None = None) -> list[PtxasReport]:
+    """check_kernel of every kernel for every arch (kernel-major), the assemblies run side by side,
+    one ptxas per CPU this process may use; the first rejection raises."""
+    exe = ptxas or find_ptxas()
+    todo = [(kernel, arch, kernel.ptx(arch)) for kernel in kernels for arch in archs]
+
+    def one(item) -> PtxasReport:
+        kernel, arch, text = item
+        reports = assemble(text, arch, exe)
+        if len(reports) != 1:
+            raise PtxasError(f"{kernel.name}: ptxas reported {len(reports)} entry functions")
+        return reports[0]
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), len(os.sched_getaffinity(0))))) as pool:
+        return list(pool.map(one, todo))
+
+
 def tool_version(ptxas: str | None = None) -> str:
     out = subprocess.run([ptxas or find_ptxas(), "--version"], capture_output=True, text=True).stdout
     return out.strip().splitlines()[-1] if out.strip() else "?"
 
 
-__all__ = ["PtxasError", "PtxasReport", "assemble", "check_kernel", "find_ptxas", "parse_report", "tool_version"]
+__all__ = ["PtxasError", "PtxasReport", "assemble", "check_kernel", "check_kernels", "find_ptxas", "parse_report",
+           "tool_version"]

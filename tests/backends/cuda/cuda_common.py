@@ -8,7 +8,7 @@ from unittest import mock
 
 from llamir_cuda import kir
 from llamir_cuda.lowering import Lowering
-from llamir_cuda.ptxas import check_kernel
+from llamir_cuda.ptxas import check_kernels
 
 from llamir.testing.backend_ops import OK, run_backend_ops
 
@@ -45,8 +45,6 @@ def run_ops(backend, ops: list[str], min_supported: int = 1):
 def assert_assembles(kernels, archs=ARCHS, no_spills: bool = False):
     """Every kernel's PTX assembles with ptxas for each arch (and spills nothing, if asked)."""
     assert kernels, "no kernel was made"
-    for kernel in kernels:
-        for arch in archs:
-            report = check_kernel(kernel, arch)
-            if no_spills:
-                assert report.spills == 0, report.line()
+    for report in check_kernels(kernels, archs):
+        if no_spills:
+            assert report.spills == 0, report.line()

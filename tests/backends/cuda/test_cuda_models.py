@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 from llamir_cuda.emit import emit_ptx
-from llamir_cuda.ptxas import assemble
 
 import llamir
 from llamir.frontend.placement import PlacementParams
@@ -208,7 +207,7 @@ def test_emit_ptx_assembles_for_sm80_and_sm90(tmp_path, arch):
     path = write_model(tmp_path / f"{arch}.gguf", spec)
     for sm in ("sm_80", "sm_90"):
         out = tmp_path / sm
-        rows = emit_ptx(path, sm, out, n_ubatch=64)
+        rows = emit_ptx(path, sm, out, check=True, n_ubatch=64)   # assembled by ptxas, side by side
         index = json.loads((out / "index.json").read_text())
         assert index["arch"] == sm and len(index["kernels"]) == len(rows) >= 8
         families = {r["kernel"].rsplit("_", 1)[0] for r in rows}
@@ -216,11 +215,10 @@ def test_emit_ptx_assembles_for_sm80_and_sm90(tmp_path, arch):
                        "set_rows", "get_rows", "norm_rms"):
             assert family in families, (family, sorted(families))
         for row in rows:
-            text = (out / row["file"]).read_text()
-            assert f".target {sm}" in text
-            (report,) = assemble(text, sm)
+            assert f".target {sm}" in (out / row["file"]).read_text()
+            assert row["registers"] > 0
             if row["kernel"].startswith(("mul_m", "mmq_")):
-                assert report.spills == 0, report.line()
+                assert row["spill_stores"] == row["spill_loads"] == 0, row
 
 
 def test_run_on_the_device_gives_the_cpu_tokens(cuda, model_path, capsys):
