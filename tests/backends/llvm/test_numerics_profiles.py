@@ -30,6 +30,9 @@ def backend(request):
     profile, target = request.param
     tgt = host_target() if target == "host" else restricted_target(host_target(), ("avx512",))
     b = LLVMBackend(n_threads=2, target=tgt, disk_cache=False, numerics=profile)
+    b.precompile([_matmul_graph(dtype, *shape) for shape in MATMULS for dtype in (F32, F16, BF16)]
+                 + [_flash_graph(*case) for case in FLASH_CASES]
+                 + [_flash_rows_graph(*case) for case in FLASH_ROWS_CASES])  # the tests' kernels, in parallel
     yield b
     b.close()
 
@@ -70,14 +73,18 @@ MATMULS = [(256, 1, 64), (96, 1, 200), (40, 1, 71), (40, 1, 125), (256, 7, 64), 
            (64, 5, 256), (48, 2, 96)]
 
 
+def _matmul_graph(dtype, m: int, n: int, k: int):
+    b = GraphBuilder("g")
+    b.output("y", b.mul_mat(b.weight("a", [m, k], dtype), b.input("b", [n, k], F32)))
+    return b.graph
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=str)
 @pytest.mark.parametrize("m,n,k", MATMULS)
 def test_float_matmul(backend, dtype, m, n, k):
     x = _f32((m, k))
     a = {F32: x, F16: x.astype(np.float16), BF16: (x.view(np.uint32) >> 16).astype(np.uint16)}[dtype]
-    b = GraphBuilder("g")
-    b.output("y", b.mul_mat(b.weight("a", [m, k], dtype), b.input("b", [n, k], F32)))
-    same(backend, b.graph, {"a": a, "b": _f32((n, k))})
+    same(backend, _matmul_graph(dtype, m, n, k), {"a": a, "b": _f32((n, k))})
 
 
 def _kv(shape, dtype: str):
@@ -86,12 +93,14 @@ def _kv(shape, dtype: str):
         quants.quantize(x, dtype_named(dtype))
 
 
-@pytest.mark.parametrize("n_tok,n_kv,k_type,v_type,dk", [
+FLASH_CASES = [
     (1, 256, "f16", "f16", 64), (7, 256, "f32", "f32", 64), (70, 200, "f16", "f16", 64), (64, 128, "f32", "f32", 64),
     (1, 600, "f16", "f16", 64), (1, 512, "f32", "f32", 64), (9, 256, "q8_0", "q8_0", 64), (3, 256, "q4_0", "f16", 64),
     (67, 130, "f16", "f16", 128), (64, 70, "f32", "f32", 80),     # the tiled kernel's other register blocks
-])
-def test_flash_attn(backend, n_tok, n_kv, k_type, v_type, dk):
+]
+
+
+def _flash_graph(n_tok: int, n_kv: int, k_type: str, v_type: str, dk: int):
     b = GraphBuilder("g")
     q = b.input("q", [1, 4, n_tok, dk], F32)
     k = b.input("k", [1, 2, n_kv, dk], dtype_named(k_type))
@@ -99,35 +108,50 @@ def test_flash_attn(backend, n_tok, n_kv, k_type, v_type, dk):
     mask = b.input("m", [1, 1, n_tok, n_kv], F16)
     sinks = b.input("s", [4], F32)
     b.output("y", b.flash_attn_ext(q, k, v, mask, 1 / math.sqrt(dk), sinks=sinks))
+    return b.graph
+
+
+@pytest.mark.parametrize("n_tok,n_kv,k_type,v_type,dk", FLASH_CASES)
+def test_flash_attn(backend, n_tok, n_kv, k_type, v_type, dk):
     m = np.zeros((n_tok, n_kv), np.float32)
     for t in range(n_tok):
         m[t, n_kv - n_tok + t + 1:] = -np.inf
-    same(backend, b.graph, {"q": _f32((1, 4, n_tok, dk)), "k": _kv((1, 2, n_kv, dk), k_type),
-                            "v": _kv((1, 2, n_kv, dk), v_type), "m": m.astype(np.float16)[None, None],
-                            "s": _f32((4,), 2) + 2})
+    same(backend, _flash_graph(n_tok, n_kv, k_type, v_type, dk),
+         {"q": _f32((1, 4, n_tok, dk)), "k": _kv((1, 2, n_kv, dk), k_type), "v": _kv((1, 2, n_kv, dk), v_type),
+          "m": m.astype(np.float16)[None, None], "s": _f32((4,), 2) + 2})
 
 
-@pytest.mark.parametrize("softcap,max_bias,masked,v_type", [
+FLASH_ROWS_CASES = [
     (0.0, 0.0, True, "f16"), (30.0, 8.0, True, "f16"), (0.0, 0.0, False, "f16"), (0.0, 0.0, True, "f32"),
     (0.0, 0.0, True, "q8_0"),
-])
+]
+
+
+def _flash_rows_graph(softcap: float, max_bias: float, masked: bool, v_type: str):
+    n_tok, n_kv = 5, 600
+    dk = 64 if v_type == "q8_0" else 72   # q8_0 rows are whole 32-element blocks
+    b = GraphBuilder("g")
+    q = b.input("q", [1, 4, n_tok, dk], F32)
+    k = b.input("k", [1, 2, n_kv, dk], dtype_named(v_type))
+    v = b.input("v", [1, 2, n_kv, dk], dtype_named(v_type))
+    mask = b.input("m", [1, 1, n_tok, n_kv], F16) if masked else None
+    b.output("y", b.flash_attn_ext(q, k, v, mask, 1 / math.sqrt(dk), max_bias=max_bias, logit_softcap=softcap))
+    return b.graph
+
+
+@pytest.mark.parametrize("softcap,max_bias,masked,v_type", FLASH_ROWS_CASES)
 def test_flash_attn_rows(backend, softcap, max_bias, masked, v_type):
     """The row path's live-cell list over several blocks of cells: holes in the mask, a row
     with no live cell, late new maxima, a head size with a 16-lane tail, softcap and ALiBi, no
     mask, an f32 and a quantized V."""
     n_tok, n_kv = 5, 600
-    dk = 64 if v_type == "q8_0" else 72   # q8_0 rows are whole 32-element blocks
+    dk = 64 if v_type == "q8_0" else 72
     k_type = v_type
-    b = GraphBuilder("g")
-    q = b.input("q", [1, 4, n_tok, dk], F32)
-    k = b.input("k", [1, 2, n_kv, dk], dtype_named(k_type))
-    v = b.input("v", [1, 2, n_kv, dk], dtype_named(v_type))
-    mask = b.input("m", [1, 1, n_tok, n_kv], F16) if masked else None
-    b.output("y", b.flash_attn_ext(q, k, v, mask, 1 / math.sqrt(dk), max_bias=max_bias, logit_softcap=softcap))
+    graph = _flash_rows_graph(softcap, max_bias, masked, v_type)
     m = np.where(rng.random((n_tok, n_kv)) < 0.3, -np.inf, rng.standard_normal((n_tok, n_kv))).astype(np.float32)
     m[2] = -np.inf                      # no live cell: y is 0
     m[3, 500:] = 4.0                    # a new maximum late in the row, past the first block
     values = {"q": _f32((1, 4, n_tok, dk), 2), "k": _kv((1, 2, n_kv, dk), k_type), "v": _kv((1, 2, n_kv, dk), v_type)}
     if masked:
         values["m"] = m.astype(np.float16)[None, None]
-    same(backend, b.graph, values)
+    same(backend, graph, values)
