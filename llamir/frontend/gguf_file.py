@@ -66,6 +66,9 @@ class _TensorInfo:
     at: int                 # byte offset of the tensor info in the file
 
 
+_U64 = struct.Struct("<Q").unpack_from
+
+
 class _Cursor:
     """Little-endian reads over the mapped file, with errors that name what was read and where."""
 
@@ -98,17 +101,23 @@ class _Cursor:
         return raw
 
     def strings(self, count: int, what: str) -> list[str]:
-        data, pos, out = self.data, self.pos, []
+        """`count` length-prefixed UTF-8 strings (a vocabulary: hundreds of thousands; the loop
+        only slices, the decoding runs after it)."""
+        data, pos, end = self.data, self.pos, len(self.data)
+        raws: list[bytes] = []
+        append = raws.append
         for i in range(count):
-            if pos + 8 > len(data):
+            if pos + 8 > end:
                 raise self.fail(f"{what}: item {i} of {count} runs past the end of the file", pos)
-            (n,) = struct.unpack_from("<Q", data, pos)
-            if n > MAX_STRING_LENGTH or pos + 8 + n > len(data):
-                raise self.fail(f"{what}: item {i} is a string of {n} bytes that runs past the end of the file", pos)
-            out.append(data[pos + 8:pos + 8 + n].decode("utf-8", "replace"))
-            pos += 8 + n
+            (n,) = _U64(data, pos)
+            start = pos + 8
+            pos = start + n
+            if n > MAX_STRING_LENGTH or pos > end:
+                raise self.fail(f"{what}: item {i} is a string of {n} bytes that runs past the end of the file",
+                                start - 8)
+            append(data[start:pos])
         self.pos = pos
-        return out
+        return [raw.decode("utf-8", "replace") for raw in raws]
 
     def value(self, key: str, type_id: int) -> tuple[Any, ValueType]:
         """One value of GGUF type `type_id` (gguf.cpp: scalars, strings, arrays of those)."""
