@@ -503,10 +503,12 @@ class Backend(abc.ABC):
     def compile(self, graph: Graph) -> Executable:
         raise BackendError(f"backend {self.name} cannot compile whole graphs")
 
-    def precompile(self, graphs: Iterable[Graph]) -> int:
+    def precompile(self, graphs: Iterable[Graph], bindings: Iterable[Bindings] | None = None) -> int:
         """Prepare the code of many graphs ahead, in one batch where the backend can share or
         parallelise the work, so that compile() of each is quick; errors are left for compile()
-        to report. Returns the number of modules prepared (0: nothing to prepare ahead)."""
+        to report. `bindings`, when given, holds the dims each graph will run with, in order
+        (for a backend whose code depends on them). Returns the number of modules prepared (0:
+        nothing to prepare ahead)."""
         return 0
 
     def graph_compute(

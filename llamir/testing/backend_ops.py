@@ -145,7 +145,8 @@ def run_backend_ops(backend: Backend | str, ops: list[str] | None = None, mode: 
     reference = Interpreter(exact=True, numerics=getattr(be, "numerics", None))
     report = Report(getattr(be, "label", be.name), mode)
     t0 = time.perf_counter()
-    be.precompile([case.graph for case in todo if all(be.supports_op(node) for node in case.tested_nodes())])
+    supported = [case for case in todo if all(be.supports_op(node) for node in case.tested_nodes())]
+    be.precompile([case.graph for case in supported], [dict(case.bindings) for case in supported])
     for case in todo:
         result = run_case(be, case, reference, mode, seed, perf_seconds)
         report.results.append(result)

@@ -238,3 +238,50 @@ def test_shader_cache_compiles_each_variant_once(tmp_path, monkeypatch):
     assert again.n_compiled == 1
     with pytest.raises(ShaderError, match="glslc failed on unary.comp"):
         again.spirv("unary", {"OP_NO_SUCH_OP": 1, **storage("A", F32), **storage("D", F32)})
+
+
+def test_precompile_compiles_the_cases_variants_side_by_side(tmp_path, monkeypatch):
+    """test-backend-ops' precompile: every variant its cases use (those with dims too, laid out
+    under their bindings) compiled in one batch, two glslc at a time; the cases then compile
+    nothing more."""
+    import threading
+    import time
+
+    from llamir_vulkan.shaders import ShaderCompiler
+
+    from llamir.testing.backend_ops import all_cases
+
+    monkeypatch.setenv("LLAMIR_VULKAN_CACHE", str(tmp_path))
+    monkeypatch.setenv("LLAMIR_VULKAN_COMPILE_WORKERS", "2")
+    be = get_backend("vulkan")
+    be.compiler = ShaderCompiler()
+    running, most, lock = [0], [0], threading.Lock()
+    compile_one = ShaderCompiler._compile
+
+    def watched(self, name, defines):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        try:
+            return compile_one(self, name, defines)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(ShaderCompiler, "_compile", watched)
+    cases = all_cases(["silu", "rms_norm", "rope_ext", "add"])
+    assert any(case.graph.dim_names for case in cases)
+    n = be.precompile([case.graph for case in cases], [dict(case.bindings) for case in cases])
+    assert n == be.compiler.n_compiled >= 8 and most[0] == 2
+    report = run_backend_ops(be, cases=cases)
+    assert report.ok and be.compiler.n_compiled == n, "a case compiled a variant precompile missed"
+    assert len(list(tmp_path.glob("*.spv"))) == n
+
+
+def test_compile_workers_must_be_a_positive_count(monkeypatch):
+    from llamir_vulkan.shaders import ShaderError, compile_workers
+
+    monkeypatch.setenv("LLAMIR_VULKAN_COMPILE_WORKERS", "0")
+    with pytest.raises(ShaderError, match="LLAMIR_VULKAN_COMPILE_WORKERS=0 is not a positive integer"):
+        compile_workers()

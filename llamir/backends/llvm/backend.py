@@ -28,6 +28,7 @@ from llamir.backends.llvm.lowering import Lowerer, support_table
 from llamir.backends.llvm.runtime import ThreadPool, load_object
 from llamir.backends.llvm.target import Target, host_target
 from llamir.ir import Graph, Node, print_graph
+from llamir.ir.dims import Bindings
 from llamir.ir.numerics import Numerics, numerics_named
 from llamir.passes.decompose import decompose
 
@@ -264,9 +265,10 @@ class LLVMBackend(Backend):
         stats.link_s = time.perf_counter() - t2
         return g, plan, tracker, addrs, len(kernels)
 
-    def precompile(self, graphs: Iterable[Graph]) -> int:
+    def precompile(self, graphs: Iterable[Graph], bindings: Iterable[Bindings] | None = None) -> int:
         """Compile the kernels and entries of many graphs ahead, all in one batch in the worker
-        processes, into the compile cache: compile() of each graph then only lowers and links.
+        processes, into the compile cache: compile() of each graph then only lowers and links
+        (the code takes its dims at run time, so `bindings` does not change it).
         What test-backend-ops does before its hundreds of one-kernel graphs, each too small to
         keep two compiler processes busy. A graph that cannot be lowered is left for its
         compile() to report; if the batch fails, compile() compiles (and reports) one graph at a

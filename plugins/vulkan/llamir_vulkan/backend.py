@@ -161,14 +161,42 @@ class VulkanBackend(Backend):
         return op_batch_size(node) >= self.offload_batch
 
     # -- execution ----------------------------------------------------------------------------------
-    def lower(self, work) -> Lowering:
+    def lower(self, work, finish: bool = True) -> Lowering:
+        """`work`'s dispatches, their pipelines made (the new shader variants compiled side by
+        side); with finish=False only the dispatches, naming their variants."""
         k = Lowering(self.gpu, self.compiler, self._scratch_tensor)
         for node, srcs, dst in work:
             entry = KERNELS.get(type(node.op))
             if entry is None:
                 raise BackendError(f"vulkan: no kernel for {node.op.name}")
             entry.lower(k, node, srcs, dst)
-        return k
+        return k.finish() if finish else k
+
+    def precompile(self, graphs, bindings=None) -> int:
+        """Compile the shader variants of many graphs in one batch, side by side, into the shader
+        cache: what test-backend-ops does before its hundreds of one-node graphs, whose variants
+        one at a time keep a single glslc busy for minutes on a fresh machine. Each graph is laid
+        out in device memory under its `bindings` (a graph with dims left unbound is skipped) and
+        lowered to learn its variants; a graph that cannot be is left for its compile() to
+        report, as is a variant that does not compile. Returns the number of variants compiled."""
+        graphs = list(graphs)
+        bindings = list(bindings) if bindings is not None else [{}] * len(graphs)
+        variants: dict[tuple, tuple[str, dict]] = {}
+        for graph, dims in zip(graphs, bindings, strict=True):
+            if set(graph.dim_names) - set(dims):
+                continue
+            try:
+                k = self.lower(DeviceGraph(self, graph, self.run).work(dims), finish=False)
+            except Exception:  # noqa: BLE001 - whatever lowering raises, compile() raises it again and names it
+                continue
+            for name, defines in k.variants():
+                variants[(name, tuple(sorted(defines.items())))] = (name, defines)
+        before = self.compiler.n_compiled
+        try:
+            self.compiler.compile_all(variants.values())
+        except ShaderError:
+            pass
+        return self.compiler.n_compiled - before
 
     def _recording(self, work) -> Recording:
         """The command buffer of `work` (nodes with their tensors): replayed when the same nodes

@@ -37,12 +37,14 @@ class Binding:
 class Dispatch:
     """One vkCmdDispatch (or, with `copy`, one vkCmdCopyBuffer: src, src_offset, dst, dst_offset, n)."""
 
-    pipeline: object
+    pipeline: object            # None until Lowering.finish() makes it (and for a copy)
     bindings: list[Binding]
     params: np.ndarray
     groups: tuple[int, int, int]
     copy: tuple | None = None
     name: str = ""
+    shader: str = ""
+    defines: dict = field(default_factory=dict)
 
 
 def unit_of(ttype: TensorType) -> int:
@@ -148,8 +150,21 @@ class Lowering:
             words.u32(*self.descriptor(ttype, td, b))
         if params is not None:
             words.words += params.words
-        pipe = self.gpu.pipeline(shader, self.compiler.spirv(shader, defines), len(bindings) + 1)
-        self.dispatches.append(Dispatch(pipe, bindings, words.array(), groups, name=name))
+        self.dispatches.append(Dispatch(None, bindings, words.array(), groups, name=name, shader=shader,
+                                        defines=dict(defines)))
+
+    def variants(self) -> list[tuple[str, dict]]:
+        """The shader variants the dispatches use: (template, defines)."""
+        return [(d.shader, d.defines) for d in self.dispatches if d.copy is None]
+
+    def finish(self) -> Lowering:
+        """Compile the variants the dispatches use (the new ones side by side) and make their
+        pipelines."""
+        self.compiler.compile_all(self.variants())
+        for d in self.dispatches:
+            if d.copy is None and d.pipeline is None:
+                d.pipeline = self.gpu.pipeline(d.shader, self.compiler.spirv(d.shader, d.defines), len(d.bindings) + 1)
+        return self
 
     def copy(self, src: TensorData, dst: TensorData, nbytes: int) -> None:
         """A byte copy between two device tensors (vkCmdCopyBuffer)."""

@@ -4,7 +4,8 @@ A template is `shaders/<name>.comp`; a variant is the template with `-D` defines
 types, the op, the workgroup size), as ggml-vulkan's vulkan-shaders-gen generates its shaders.
 Every template includes `common.glsl` (the Tensor descriptor and indexing helpers) and may
 include other `.glsl` files (the dequantizers). SPIR-V is cached on disk by a hash of the
-sources, the defines and glslc's version, so a variant is compiled once per machine.
+sources, the defines and glslc's version, so a variant is compiled once per machine; the variants
+a lowering (or a backend's precompile) needs are compiled side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SHADER_DIR = Path(__file__).with_name("shaders")
@@ -49,6 +53,17 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def compile_workers() -> int:
+    """glslc processes run side by side: LLAMIR_VULKAN_COMPILE_WORKERS, else one per CPU this
+    process may use (at most 8: the optimizer takes up to ~1.5 GB on the largest variants)."""
+    env = os.environ.get("LLAMIR_VULKAN_COMPILE_WORKERS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ShaderError(f"LLAMIR_VULKAN_COMPILE_WORKERS={env} is not a positive integer")
+        return int(env)
+    return max(1, min(len(os.sched_getaffinity(0)), 8))
+
+
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -78,6 +93,7 @@ class ShaderCompiler:
         self.target = target
         self.n_compiled = 0
         self._memo: dict[tuple, bytes] = {}
+        self._lock = threading.Lock()
 
     def key(self, name: str, defines: dict[str, object]) -> str:
         flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
@@ -85,20 +101,45 @@ class ShaderCompiler:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def spirv(self, name: str, defines: dict[str, object]) -> bytes:
+        code = self._cached(name, defines)
+        return code if code is not None else self._store(name, defines, self._compile(name, defines))
+
+    def compile_all(self, variants: Iterable[tuple[str, dict[str, object]]]) -> int:
+        """Compile the variants that are neither memoized nor on disk side by side, one glslc
+        per CPU (a big quantized mul_mv takes glslc seconds and one core), as ggml's
+        vulkan-shaders-gen runs its glslc jobs. Every variant that compiles is cached; then the
+        first failure, if any, is raised. Returns the number compiled."""
+        todo = {(name, tuple(sorted(defines.items()))): (name, defines) for name, defines in variants
+                if self._cached(name, defines) is None}
+        if not todo:
+            return 0
+        workers = min(len(todo), compile_workers())
+        with ThreadPoolExecutor(workers) as pool:   # each thread waits on its glslc process
+            futures = [pool.submit(self.spirv, name, defines) for name, defines in todo.values()]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return len(futures)
+
+    def _cached(self, name: str, defines: dict[str, object]) -> bytes | None:
         memo_key = (name, tuple(sorted(defines.items())))
         hit = self._memo.get(memo_key)
-        if hit is not None:
-            return hit
-        path = cache_dir() / f"{name}-{self.key(name, defines)}.spv"
-        if path.exists():
-            code = path.read_bytes()
-        else:
-            code = self._compile(name, defines)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(code)
-            os.replace(tmp, path)
-        self._memo[memo_key] = code
+        if hit is None:
+            path = self._path(name, defines)
+            if path.exists():
+                hit = self._memo[memo_key] = path.read_bytes()
+        return hit
+
+    def _path(self, name: str, defines: dict[str, object]) -> Path:
+        return cache_dir() / f"{name}-{self.key(name, defines)}.spv"
+
+    def _store(self, name: str, defines: dict[str, object], code: bytes) -> bytes:
+        path = self._path(name, defines)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(code)
+        os.replace(tmp, path)
+        self._memo[(name, tuple(sorted(defines.items())))] = code
         return code
 
     def _compile(self, name: str, defines: dict[str, object]) -> bytes:
@@ -112,5 +153,6 @@ class ShaderCompiler:
         if out.returncode != 0:
             flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
             raise ShaderError(f"glslc failed on {src.name} ({flags}):\n{out.stderr.decode(errors='replace')}")
-        self.n_compiled += 1
+        with self._lock:
+            self.n_compiled += 1
         return out.stdout
