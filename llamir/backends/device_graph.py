@@ -74,14 +74,17 @@ class DeviceGraph:
     def work(self, bindings=()) -> Work:
         """The work list the graph runs as under `bindings` (dim name -> value), over the device
         memory of that binding: what a backend's precompile lowers to learn the code it needs."""
-        graph, t = self._bound(dict(bindings))
+        return self._work(*self._bound(dict(bindings)))
+
+    @staticmethod
+    def _work(graph: Graph, t: dict[int, TensorData]) -> Work:
         return [(node, [t[id(i)] for i in node.inputs], t[id(node)]) for node in graph.nodes if not node.op.is_view]
 
     def __call__(self, leaf_values, bindings, observe=None):
         graph, t = self._bound(bindings)
         for leaf in graph.leafs:
             t[id(leaf)].write(np.ascontiguousarray(leaf_values[leaf.name]))
-        self.run(self.work(bindings), observe, lambda node: t[id(node)].read())
+        self.run(self._work(graph, t), observe, lambda node: t[id(node)].read())
         for leaf in graph.leafs_of_kind("state"):  # written in place (set_rows): back to the caller
             np.copyto(leaf_values[leaf.name], t[id(leaf)].read())
         return {name: t[id(node)].read() for name, node in graph.outputs.items()}

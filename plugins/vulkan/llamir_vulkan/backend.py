@@ -31,7 +31,7 @@ from llamir_vulkan import (  # noqa: F401 - each registers its kernels
 )
 from llamir_vulkan.lowering import KERNELS, Lowering
 from llamir_vulkan.runtime import Gpu, Instance, PhysicalInfo, Recording, VulkanError
-from llamir_vulkan.shaders import ShaderCompiler, ShaderError
+from llamir_vulkan.shaders import ShaderCompiler, ShaderError, variant_id
 
 OFFLOAD_BATCH = 32
 MAX_RECORDINGS = 64
@@ -190,7 +190,7 @@ class VulkanBackend(Backend):
             except Exception:  # noqa: BLE001 - whatever lowering raises, compile() raises it again and names it
                 continue
             for name, defines in k.variants():
-                variants[(name, tuple(sorted(defines.items())))] = (name, defines)
+                variants[variant_id(name, defines)] = (name, defines)
         before = self.compiler.n_compiled
         try:
             self.compiler.compile_all(variants.values())

@@ -85,6 +85,15 @@ def _sources(name: str) -> str:
     return "".join(f"// {f}\n{(SHADER_DIR / f).read_text() if (SHADER_DIR / f).exists() else ''}" for f in seen)
 
 
+def variant_id(name: str, defines: dict[str, object]) -> tuple:
+    """A template variant as a hashable value: its name and its defines in order."""
+    return name, tuple(sorted(defines.items()))
+
+
+def _flags(defines: dict[str, object]) -> list[str]:
+    return [f"-D{k}={v}" for k, v in sorted(defines.items())]
+
+
 class ShaderCompiler:
     """Compiles template variants to SPIR-V (memoized, and cached on disk)."""
 
@@ -96,50 +105,52 @@ class ShaderCompiler:
         self._lock = threading.Lock()
 
     def key(self, name: str, defines: dict[str, object]) -> str:
-        flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
+        flags = " ".join(_flags(defines))
         text = f"{glslc_version(self.glslc)}\n{self.target}\n{name}\n{flags}\n{_sources(name)}"
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def spirv(self, name: str, defines: dict[str, object]) -> bytes:
-        code = self._cached(name, defines)
-        return code if code is not None else self._store(name, defines, self._compile(name, defines))
+        hit = self._memo.get(variant_id(name, defines))
+        if hit is not None:
+            return hit
+        path = self._path(name, defines)
+        if not path.exists():
+            return self._build(name, defines, path)
+        code = self._memo[variant_id(name, defines)] = path.read_bytes()
+        return code
 
     def compile_all(self, variants: Iterable[tuple[str, dict[str, object]]]) -> int:
         """Compile the variants that are neither memoized nor on disk side by side, one glslc
         per CPU (a big quantized mul_mv takes glslc seconds and one core), as ggml's
         vulkan-shaders-gen runs its glslc jobs. Every variant that compiles is cached; then the
         first failure, if any, is raised. Returns the number compiled."""
-        todo = {(name, tuple(sorted(defines.items()))): (name, defines) for name, defines in variants
-                if self._cached(name, defines) is None}
+        todo = {}
+        for name, defines in variants:
+            if variant_id(name, defines) not in self._memo:
+                path = self._path(name, defines)
+                if not path.exists():
+                    todo[variant_id(name, defines)] = (name, defines, path)
         if not todo:
             return 0
         workers = min(len(todo), compile_workers())
         with ThreadPoolExecutor(workers) as pool:   # each thread waits on its glslc process
-            futures = [pool.submit(self.spirv, name, defines) for name, defines in todo.values()]
+            futures = [pool.submit(self._build, *job) for job in todo.values()]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]
         return len(futures)
 
-    def _cached(self, name: str, defines: dict[str, object]) -> bytes | None:
-        memo_key = (name, tuple(sorted(defines.items())))
-        hit = self._memo.get(memo_key)
-        if hit is None:
-            path = self._path(name, defines)
-            if path.exists():
-                hit = self._memo[memo_key] = path.read_bytes()
-        return hit
-
     def _path(self, name: str, defines: dict[str, object]) -> Path:
         return cache_dir() / f"{name}-{self.key(name, defines)}.spv"
 
-    def _store(self, name: str, defines: dict[str, object], code: bytes) -> bytes:
-        path = self._path(name, defines)
+    def _build(self, name: str, defines: dict[str, object], path: Path) -> bytes:
+        """Compile the variant, store it at `path` in the disk cache (atomically) and memoize it."""
+        code = self._compile(name, defines)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_bytes(code)
         os.replace(tmp, path)
-        self._memo[(name, tuple(sorted(defines.items())))] = code
+        self._memo[variant_id(name, defines)] = code
         return code
 
     def _compile(self, name: str, defines: dict[str, object]) -> bytes:
@@ -147,11 +158,11 @@ class ShaderCompiler:
         if not src.exists():
             raise ShaderError(f"no shader template {src.name}")
         cmd = [self.glslc, "-fshader-stage=compute", f"--target-env={self.target}", "-O", "-I", str(SHADER_DIR)]
-        cmd += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+        cmd += _flags(defines)
         cmd += [str(src), "-o", "-"]
         out = subprocess.run(cmd, capture_output=True, check=False)
         if out.returncode != 0:
-            flags = " ".join(f"-D{k}={v}" for k, v in sorted(defines.items()))
+            flags = " ".join(_flags(defines))
             raise ShaderError(f"glslc failed on {src.name} ({flags}):\n{out.stderr.decode(errors='replace')}")
         with self._lock:
             self.n_compiled += 1
