@@ -110,13 +110,11 @@ class ShaderCompiler:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def spirv(self, name: str, defines: dict[str, object]) -> bytes:
-        hit = self._memo.get(variant_id(name, defines))
-        if hit is not None:
-            return hit
-        path = self._path(name, defines)
-        if not path.exists():
-            return self._build(name, defines, path)
-        code = self._memo[variant_id(name, defines)] = path.read_bytes()
+        code = self._memo.get(variant_id(name, defines))
+        if code is None:
+            path = self._path(name, defines)
+            code = self._memo[variant_id(name, defines)] = path.read_bytes() if path.exists() \
+                else self._build(name, defines, path)
         return code
 
     def compile_all(self, variants: Iterable[tuple[str, dict[str, object]]]) -> int:
@@ -126,10 +124,9 @@ class ShaderCompiler:
         first failure, if any, is raised. Returns the number compiled."""
         todo = {}
         for name, defines in variants:
-            if variant_id(name, defines) not in self._memo:
-                path = self._path(name, defines)
-                if not path.exists():
-                    todo[variant_id(name, defines)] = (name, defines, path)
+            vid = variant_id(name, defines)
+            if vid not in self._memo and vid not in todo and not (path := self._path(name, defines)).exists():
+                todo[vid] = (name, defines, path)
         if not todo:
             return 0
         workers = min(len(todo), compile_workers())
